@@ -1,0 +1,93 @@
+"""Mistakes users make get a ValueError that names the problem and the fix."""
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from conftest import HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
+
+from hf_mlp_speculator import MLPSpeculatorConfig
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(n_predict=0, top_k_tokens_per_head=[]), r"n_predict must be >= 1, got 0"),
+        (dict(n_predict=3, top_k_tokens_per_head=[5, 4]), r"has 2 entries but n_predict is 3"),
+        (dict(n_predict=1, top_k_tokens_per_head=[5], tie_weights=True), r"tie_weights=True needs n_predict > 1"),
+        (dict(vocab_size=0), r"vocab_size must be positive, got 0"),
+        (dict(emb_dim=-4), r"emb_dim must be positive, got -4"),
+        (dict(inner_dim=-1), r"inner_dim must be >= 0 \(0 means emb_dim\), got -1"),
+        (dict(top_k_tokens_per_head=[5, 0, 3]), r"must hold positive values"),
+    ],
+)
+def test_malformed_config(fields, message):
+    # transformers 5 configs report validation failures as StrictDataclassClassValidationError, carrying our message.
+    with pytest.raises(StrictDataclassClassValidationError, match=message):
+        MLPSpeculatorConfig(**fields)
+
+
+def test_config_defaults_and_alias():
+    config = MLPSpeculatorConfig()
+    assert (config.vocab_size, config.emb_dim, config.inner_dim, config.n_predict) == (32000, 4096, 0, 3)
+    assert config.top_k_tokens_per_head == [5, 4, 3] and config.n_candidates == 5
+    assert not config.tie_weights and not config.scale_input and config.base_model_name_or_path is None
+    assert config.hidden_size == 4096 and config.speculator_inner_dim == 4096
+    assert MLPSpeculatorConfig(hidden_size=768, inner_dim=1024).emb_dim == 768
+
+
+def test_hidden_size_mismatch_names_both_numbers():
+    speculator = make_speculator()
+    speculator.config.emb_dim = 32
+    speculator.config.base_model_name_or_path = "some/other-model"
+    with pytest.raises(ValueError, match=r"emb_dim is 32 but the model's hidden_size is 64.*some/other-model"):
+        make_verifier().generate(make_prompt(), max_new_tokens=4, assistant_model=speculator)
+
+
+def test_vocab_mismatch_names_both_numbers_and_the_padding_fix():
+    speculator = make_speculator()
+    speculator.resize_vocab(VOCAB + 32)
+    with pytest.raises(ValueError, match=rf"vocab_size is {VOCAB + 32} but the model's vocab_size is {VOCAB}"):
+        make_verifier().generate(make_prompt(), max_new_tokens=4, assistant_model=speculator)
+    small = make_speculator()
+    small.config.vocab_size = VOCAB - 16
+    with pytest.raises(ValueError, match=rf"speculator.resize_vocab\({VOCAB}\)"):
+        make_verifier().generate(make_prompt(), max_new_tokens=4, assistant_model=small)
+
+
+def test_resize_vocab_pads_losslessly():
+    """A speculator for a padded verifier vocabulary: pad it, and greedy output stays identical."""
+    torch.manual_seed(0)
+    speculator = make_speculator()
+    original = speculator.speculator.head[0].weight.clone()
+    for module in speculator.speculator.head:
+        module.weight.data = module.weight.data[: VOCAB - 8]
+    for module in speculator.speculator.emb:
+        module.weight.data = module.weight.data[: VOCAB - 8]
+    speculator.config.vocab_size = VOCAB - 8
+    speculator.resize_vocab(VOCAB)
+    assert speculator.speculator.head[0].weight.shape == (VOCAB, 48)
+    assert torch.equal(speculator.speculator.head[0].weight[: VOCAB - 8], original[: VOCAB - 8])
+    assert not speculator.speculator.head[0].weight[VOCAB - 8 :].any()
+    verifier, prompt = make_verifier(), make_prompt()
+    expected = verifier.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(verifier.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=speculator), expected)
+    with pytest.raises(ValueError, match="only pads"):
+        speculator.resize_vocab(10)
+
+
+def test_batch_larger_than_one():
+    prompts = torch.cat([make_prompt(seed=1), make_prompt(seed=2)])
+    with pytest.raises(ValueError, match=r"one sequence at a time, but the batch has 2"):
+        make_verifier().generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=4,
+                                 assistant_model=make_speculator())  # fmt: skip
+
+
+def test_beam_search():
+    with pytest.raises(ValueError, match=r"Beam search \(num_beams=3\) cannot use an MLPSpeculator"):
+        make_verifier().generate(make_prompt(), max_new_tokens=4, num_beams=3, assistant_model=make_speculator())
+
+
+def test_training_forward_checks_input_length():
+    speculator = make_speculator(n_predict=3)
+    with pytest.raises(ValueError, match=r"sequence_length \+ n_predict = 8 tokens per row"):
+        speculator(hidden_states=torch.zeros(1, 5, HIDDEN), input_ids=torch.zeros(1, 5, dtype=torch.long))

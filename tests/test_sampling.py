@@ -1,0 +1,98 @@
+"""Sampling with a speculator follows the verifier's distribution exactly (rejection sampling on the real q)."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_mlp_speculator import MLPSpeculatorCandidateGenerator, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
+
+
+V, NEW_TOKENS, TEMPERATURE, TOP_K, SAMPLES = 4, 4, 0.8, 3, 800
+PROMPT = torch.tensor([[1, 2, 3]])
+
+
+def sharp_pair():
+    """A tiny verifier and speculator over 4 tokens whose distributions are peaked and depend on the context."""
+    torch.manual_seed(0)
+    verifier = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, vocab_size=V, bos_token_id=0, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    ).eval()
+    with torch.no_grad():
+        verifier.lm_head.weight.mul_(10)
+        verifier.model.embed_tokens.weight.mul_(10)
+    config = MLPSpeculatorConfig(vocab_size=V, emb_dim=32, inner_dim=16, n_predict=3, top_k_tokens_per_head=[2, 2, 2])
+    speculator = MLPSpeculatorPreTrainedModel(config).eval()
+    with torch.no_grad():
+        for head in speculator.speculator.head:
+            head.weight.mul_(4)
+    return verifier, speculator
+
+
+def exact_distribution(verifier):
+    """P(x_1..x_n | prompt) for every continuation, from the verifier's logits after temperature and top-k."""
+    probs = {}
+    with torch.no_grad():
+        for continuation in itertools.product(range(V), repeat=NEW_TOKENS):
+            ids = torch.cat([PROMPT, torch.tensor([continuation])], dim=1)
+            logits = verifier(ids).logits[0, PROMPT.shape[1] - 1 : -1] / TEMPERATURE
+            kth = logits.topk(TOP_K, dim=-1).values[:, -1:]
+            step_probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+            probs[continuation] = step_probs[torch.arange(NEW_TOKENS), list(continuation)].prod().item()
+    return probs
+
+
+def chi_square_p_value(counts, probs, samples):
+    """Pearson's test, pooling cells expected fewer than 5 times."""
+    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
+    for cell, p in probs.items():
+        if p * samples >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(p * samples)
+        else:
+            pooled_o, pooled_e = pooled_o + counts.get(cell, 0), pooled_e + p * samples
+    if pooled_e > 0:
+        observed.append(pooled_o)
+        expected.append(pooled_e)
+    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    statistic = ((o - e) ** 2 / e).sum()
+    dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, statistic / 2).item()
+
+
+def sample_counts(verifier, speculator, seed=0):
+    """Counts of each continuation over SAMPLES calls, and the drafted and accepted totals."""
+    torch.manual_seed(seed)
+    counts, drafted, accepted = {}, 0, 0
+    for _ in range(SAMPLES):
+        out = verifier.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE,
+                                top_k=TOP_K, top_p=1.0, assistant_model=speculator)  # fmt: skip
+        key = tuple(out[0, PROMPT.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        drafted += speculator.speculation_metrics.num_draft_tokens
+        accepted += speculator.speculation_metrics.num_accepted_tokens
+    return counts, drafted, accepted
+
+
+@pytest.fixture(scope="module")
+def pair_and_truth():
+    verifier, speculator = sharp_pair()
+    return verifier, speculator, exact_distribution(verifier)
+
+
+def test_speculative_sampling_matches_the_verifier_distribution(pair_and_truth):
+    verifier, speculator, probs = pair_and_truth
+    counts, drafted, accepted = sample_counts(verifier, speculator)
+    assert 0.2 * drafted < accepted < 0.8 * drafted  # both acceptance and rejection paths ran often
+    assert chi_square_p_value(counts, probs, SAMPLES) > 1e-3
+
+
+def test_the_check_catches_greedy_drafts_under_sampling(pair_and_truth, monkeypatch):
+    """Drafting by argmax while handing transformers the sampling logits as q (transformers #47932) biases the
+    output towards the drafts, and the same check sees it."""
+    verifier, speculator, probs = pair_and_truth
+    monkeypatch.setattr(MLPSpeculatorCandidateGenerator, "select", lambda self, logits: logits.argmax(dim=-1))
+    counts, _, _ = sample_counts(verifier, speculator)
+    assert chi_square_p_value(counts, probs, SAMPLES) < 1e-3
