@@ -15,7 +15,6 @@ from .generation import MLPSpeculatorGenerationMixin, enable_mlp_speculator, ins
 from .metrics import SpeculationMetrics
 from .modeling_mlp_speculator import MLPSpeculatorOutput, MLPSpeculatorPreTrainedModel
 
-
 AutoConfig.register(MLPSpeculatorConfig.model_type, MLPSpeculatorConfig, exist_ok=True)
 AutoModel.register(MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, exist_ok=True)
 if os.environ.get("HF_MLP_SPECULATOR_NO_PATCH", "0") != "1":

@@ -35,7 +35,8 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.do_sample = generation_config.do_sample
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
-        self.num_heads = min(speculator.config.n_predict, generation_config.num_assistant_tokens)
+        n_predict = speculator.config.n_predict
+        self.num_heads = min(n_predict, generation_config.num_assistant_tokens or n_predict)
         # Ask the verifier for its last layer only, unless the user asked for all layers: replacing their request
         # would break the per-token split of `hidden_states` in the output.
         self.model_kwargs_overrides = {} if generation_config.output_hidden_states else {"output_hidden_states": -1}

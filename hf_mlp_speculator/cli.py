@@ -6,7 +6,6 @@ Each subcommand lives in its own module, which provides `add_arguments(parser)` 
 import argparse
 import importlib
 
-
 SUBCOMMANDS = {
     "train": ("hf_mlp_speculator.training", "Train an MLPSpeculator for any causal LM (stage 1 + stage 2)."),
     "demo": ("hf_mlp_speculator.demo", "Generate with and without speculation and compare speeds."),

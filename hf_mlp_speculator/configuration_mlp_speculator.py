@@ -18,8 +18,8 @@ class MLPSpeculatorConfig(PreTrainedConfig):
         inner_dim (`int`, *optional*, defaults to 0):
             Width of the speculator's state. `0` means `emb_dim`.
         n_predict (`int`, *optional*, defaults to 3):
-            Number of heads the speculator was trained with; head `i` predicts the token `i + 1` ahead. Drafting can use
-            fewer heads at run time, but the state scaling always follows the trained count.
+            Number of heads the speculator was trained with; head `i` predicts the token `i + 1` ahead. Drafting can
+            use fewer heads at run time, but the state scaling always follows the trained count.
         top_k_tokens_per_head (`list[int]`, *optional*, defaults to `[5, 4, 3]`):
             Branching factor of each head when drafting a candidate tree. One entry per head.
         n_candidates (`int`, *optional*, defaults to 5):
@@ -72,7 +72,8 @@ class MLPSpeculatorConfig(PreTrainedConfig):
             )
         if any(k < 1 for k in self.top_k_tokens_per_head):
             raise ValueError(
-                f"MLPSpeculatorConfig.top_k_tokens_per_head must hold positive values, got {self.top_k_tokens_per_head}."
+                "MLPSpeculatorConfig.top_k_tokens_per_head must hold positive values, "
+                f"got {self.top_k_tokens_per_head}."
             )
         if self.tie_weights and self.n_predict < 2:
             raise ValueError(

@@ -23,7 +23,6 @@ from transformers.utils import logging
 from .candidate_generator import MLPSpeculatorCandidateGenerator
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 
-
 logger = logging.get_logger(__name__)
 
 _STOCK = {name: getattr(GenerationMixin, name) for name in ("generate", "_get_candidate_generator")}
@@ -73,8 +72,10 @@ class MLPSpeculatorGenerationMixin:
         if not isinstance(speculator, MLPSpeculatorPreTrainedModel):
             return _STOCK["generate"](self, *args, **kwargs)
         check_speculator_fits(self, speculator, **kwargs)
+        speculator.speculation_metrics = None  # never leave a previous call's figures behind
         output = _STOCK["generate"](self, *args, **kwargs)
-        logger.info(speculator.speculation_metrics)
+        if speculator.speculation_metrics is not None:
+            logger.info(speculator.speculation_metrics)
         return output
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

@@ -20,7 +20,6 @@ from transformers.utils import ModelOutput, logging
 
 from .configuration_mlp_speculator import MLPSpeculatorConfig
 
-
 logger = logging.get_logger(__name__)
 
 
@@ -56,7 +55,9 @@ class MLPSpeculator(nn.Module):
         self.scale_input = config.scale_input
         # With `tie_weights`, MLPSpeculatorPreTrainedModel ties heads 1.. to head 0 (and proj 2.. to proj 1).
         self.emb = nn.ModuleList([nn.Embedding(vocab, inner_dim) for _ in range(n)])
-        self.proj = nn.ModuleList([nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False) for i in range(n)])
+        self.proj = nn.ModuleList(
+            [nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False) for i in range(n)]
+        )
         self.head = nn.ModuleList([nn.Linear(inner_dim, vocab, bias=False) for _ in range(n)])
         self.ln = nn.ModuleList([MLPSpeculatorLayerNorm(inner_dim) for _ in range(n)])
         # `ln0` has no parameters, hence no checkpoint keys.
@@ -121,6 +122,7 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
     base_model_prefix = "mlp_speculator"
     main_input_name = "hidden_states"
     _no_split_modules = ["MLPSpeculator"]
+
     def __init__(self, config: MLPSpeculatorConfig):
         super().__init__(config)
         self.speculator = MLPSpeculator(config)
@@ -128,7 +130,12 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
         # loading and leaves them out when saving. (Read only when `config.tie_word_embeddings`, i.e. `tie_weights`.)
         self._tied_weights_keys = {
             f"speculator.{name}.{i}.{param}": f"speculator.{name}.{int(name == 'proj')}.{param}"
-            for name, params in (("emb", ["weight"]), ("head", ["weight"]), ("ln", ["weight", "bias"]), ("proj", ["weight"]))
+            for name, params in (
+                ("emb", ["weight"]),
+                ("head", ["weight"]),
+                ("ln", ["weight", "bias"]),
+                ("proj", ["weight"]),
+            )
             for param in params
             for i in range(1 + (name == "proj"), config.n_predict)
         }
@@ -172,7 +179,7 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
         loss = head_losses = None
         if labels is not None:
             head_losses = torch.stack(
-                [nn.functional.cross_entropy(l.flatten(0, 1).float(), y.flatten()) for l, y in zip(logits, labels)]
+                [nn.functional.cross_entropy(x.flatten(0, 1).float(), y.flatten()) for x, y in zip(logits, labels)]
             )
             loss = head_losses.sum()
         return MLPSpeculatorOutput(loss=loss, logits=logits, head_losses=head_losses)
@@ -180,8 +187,8 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def resize_vocab(self, vocab_size: int) -> None:
         """
-        Pads the vocabulary to `vocab_size`, for a verifier whose embedding matrix is padded past its tokenizer. The new
-        ids get zero embeddings and zero logits; a draft of one is simply rejected, so decoding stays lossless.
+        Pads the vocabulary to `vocab_size`, for a verifier whose embedding matrix is padded past its tokenizer. The
+        new ids get zero embeddings and zero logits; a draft of one is simply rejected, so decoding stays lossless.
         """
         if vocab_size < self.config.vocab_size:
             raise ValueError(f"resize_vocab only pads: {vocab_size} < vocab_size {self.config.vocab_size}.")
@@ -209,9 +216,13 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
         if info["unexpected_keys"]:
             problems.append(f"unexpected key(s) {sorted(info['unexpected_keys'])}")
         if info["mismatched_keys"] and not ignore_mismatched_sizes:
-            shapes = ", ".join(f"{key} {list(ckpt)} (expected {list(ours)})" for key, ckpt, ours in info["mismatched_keys"])
+            shapes = ", ".join(
+                f"{key} {list(ckpt)} (expected {list(ours)})" for key, ckpt, ours in info["mismatched_keys"]
+            )
             problems.append(f"wrongly shaped key(s) {shapes}")
-        untied = [t for t, src in model._tied_weights_keys.items() if model.get_parameter(t) is not model.get_parameter(src)]
+        untied = [
+            t for t, src in model._tied_weights_keys.items() if model.get_parameter(t) is not model.get_parameter(src)
+        ]
         if model.config.tie_weights and untied:
             problems.append(f"key(s) {sorted(untied)} hold weights of their own although tie_weights=True")
         if problems:

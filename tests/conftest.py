@@ -1,4 +1,4 @@
-"""Tiny random verifiers and speculators, plus an oracle speculator whose drafts are right only from the right state."""
+"""Tiny random verifiers and speculators, and an oracle speculator whose drafts are right only from the right state."""
 
 import pytest
 import torch
@@ -20,7 +20,6 @@ from transformers import (
 
 from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
 
-
 VOCAB = 96
 HIDDEN = 64
 
@@ -35,12 +34,29 @@ ARCHITECTURES = {
         GraniteConfig(**_DECODER, embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5)
     ),
     "gpt2": lambda: GPT2LMHeadModel(
-        GPT2Config(n_embd=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=4096, bos_token_id=0,
-                   eos_token_id=None, pad_token_id=0)  # fmt: skip
+        GPT2Config(
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=4096,
+            bos_token_id=0,
+            eos_token_id=None,
+            pad_token_id=0,
+        )  # fmt: skip
     ),
     "gpt_bigcode": lambda: GPTBigCodeForCausalLM(
-        GPTBigCodeConfig(n_embd=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=4096, bos_token_id=0,
-                         eos_token_id=None, pad_token_id=0, multi_query=True)  # fmt: skip
+        GPTBigCodeConfig(
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=4096,
+            bos_token_id=0,
+            eos_token_id=None,
+            pad_token_id=0,
+            multi_query=True,
+        )  # fmt: skip
     ),
 }
 
@@ -67,7 +83,7 @@ class OracleHeads(nn.Module):
     """
     Stands in for `MLPSpeculator`: it looks the hidden state it is given up among the verifier's hidden states of a
     known greedy continuation, and drafts that continuation from the position it finds. Given the hidden state of the
-    wrong position, it drafts the continuation of the wrong position, so its drafts are right only from the right state.
+    wrong position, it drafts the continuation of the wrong position: its drafts are right only from the right state.
     Drafts for which `wrong(position, head)` holds are deliberately off by one token.
     """
 

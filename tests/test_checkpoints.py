@@ -78,11 +78,25 @@ LAYOUTS = {
     # ibm-fms/llama-160m-accelerator: its exact shapes; old config without tie_weights/scale_input fields.
     "llama-160m": dict(emb_dim=768, inner_dim=1024, n_predict=3, top_k_tokens_per_head=[5, 3, 2], vocab_size=32000),
     # ibm-fms/llama2-70b-accelerator, scaled down: tied (only unique tensors stored) with scale_input.
-    "llama2-70b-small": dict(emb_dim=64, inner_dim=64, n_predict=4, top_k_tokens_per_head=[4, 3, 2, 2],
-                             vocab_size=500, tie_weights=True, scale_input=True),  # fmt: skip
+    "llama2-70b-small": dict(
+        emb_dim=64,
+        inner_dim=64,
+        n_predict=4,
+        top_k_tokens_per_head=[4, 3, 2, 2],
+        vocab_size=500,
+        tie_weights=True,
+        scale_input=True,
+    ),  # fmt: skip
     # granite-style, inner_dim 0 (= emb_dim), five heads, sharded with an index.
-    "granite-sharded": dict(emb_dim=48, inner_dim=0, n_predict=5, top_k_tokens_per_head=[4, 3, 2, 2, 2],
-                            vocab_size=300, tie_weights=False, scale_input=False),  # fmt: skip
+    "granite-sharded": dict(
+        emb_dim=48,
+        inner_dim=0,
+        n_predict=5,
+        top_k_tokens_per_head=[4, 3, 2, 2, 2],
+        vocab_size=300,
+        tie_weights=False,
+        scale_input=False,
+    ),  # fmt: skip
 }
 
 
@@ -165,7 +179,9 @@ def test_extra_key_is_named(tmp_path):
 def test_wrong_shape_is_named(tmp_path):
     config, state = small_checkpoint(tmp_path)
     state["speculator.proj.1.weight"] = torch.zeros(48, 40, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"wrongly shaped key\(s\) speculator\.proj\.1\.weight \[48, 40\] \(expected \[48, 48\]\)"):
+    with pytest.raises(
+        ValueError, match=r"wrongly shaped key\(s\) speculator\.proj\.1\.weight \[48, 40\] \(expected \[48, 48\]\)"
+    ):
         AutoModel.from_pretrained(write_published(tmp_path / "c", config, state))
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from huggingface_hub.errors import StrictDataclassClassValidationError
 from conftest import HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
+from huggingface_hub.errors import StrictDataclassClassValidationError
 
 from hf_mlp_speculator import MLPSpeculatorConfig
 
@@ -70,7 +70,9 @@ def test_resize_vocab_pads_losslessly():
     assert not speculator.speculator.head[0].weight[VOCAB - 8 :].any()
     verifier, prompt = make_verifier(), make_prompt()
     expected = verifier.generate(prompt, max_new_tokens=12, do_sample=False)
-    assert torch.equal(verifier.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=speculator), expected)
+    assert torch.equal(
+        verifier.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=speculator), expected
+    )
     with pytest.raises(ValueError, match="only pads"):
         speculator.resize_vocab(10)
 

@@ -3,7 +3,6 @@
 import logging
 
 import pytest
-import torch
 from conftest import make_oracle, make_prompt, make_verifier
 from transformers.utils import logging as hf_logging
 

@@ -11,7 +11,7 @@ from conftest import make_oracle, make_prompt, make_verifier
 
 
 def expected_steps(prompt_length, max_new_tokens, n_heads, wrong):
-    """Simulates the rounds: [(position, drafted, accepted)] when drafts from position p are wrong where wrong(p, head)."""
+    """The rounds as [(position, drafted, accepted)], when drafts from position p are wrong where wrong(p, head)."""
     max_length = prompt_length + max_new_tokens
     length = prompt_length + 1  # the prefill emits one token
     steps = []

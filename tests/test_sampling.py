@@ -8,7 +8,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_mlp_speculator import MLPSpeculatorCandidateGenerator, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
 
-
 V, NEW_TOKENS, TEMPERATURE, TOP_K, SAMPLES = 4, 4, 0.8, 3, 800
 PROMPT = torch.tensor([[1, 2, 3]])
 
@@ -17,8 +16,17 @@ def sharp_pair():
     """A tiny verifier and speculator over 4 tokens whose distributions are peaked and depend on the context."""
     torch.manual_seed(0)
     verifier = LlamaForCausalLM(
-        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1, vocab_size=V, bos_token_id=0, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=V,
+            bos_token_id=0,
+            eos_token_id=None,
+            pad_token_id=0,
+        )  # fmt: skip
     ).eval()
     with torch.no_grad():
         verifier.lm_head.weight.mul_(10)
