@@ -1,0 +1,44 @@
+"""Packed oneDNN linears compute what nn.Linear computes, and speculative greedy output stays identical."""
+
+import torch
+from conftest import make_oracle, make_prompt, make_speculator, make_verifier
+from torch import nn
+
+from hf_mlp_speculator.packed_linear import PackedLinear, pack_linear_weights, unpack_linear_weights
+
+
+def test_packed_linear_matches_nn_linear_for_every_row_count():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    reference = nn.Linear(64, 96)
+    reference.load_state_dict(linear.state_dict())
+    pack_linear_weights(nn.Sequential(linear))
+    assert isinstance(linear, PackedLinear)
+    for shape in [(1, 64), (1, 1, 64), (1, 5, 64), (3, 8, 64)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(linear(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_model_keeps_its_parameters_and_ties():
+    verifier = make_verifier()
+    keys = list(verifier.state_dict())
+    pack_linear_weights(verifier)
+    assert list(verifier.state_dict()) == keys
+    assert all(isinstance(m, PackedLinear) for m in verifier.modules() if isinstance(m, nn.Linear))
+    unpack_linear_weights(verifier)
+    assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
+    assert not hasattr(verifier.lm_head, "packed_weight")
+
+
+def test_speculative_greedy_equality_with_packed_verifier_and_speculator():
+    verifier, prompt = make_verifier(), make_prompt()
+    speculator = make_oracle(verifier, prompt, 24, wrong=lambda p, h: (p + h) % 3 == 2)
+    pack_linear_weights(verifier)
+    expected = verifier.generate(prompt, max_new_tokens=24, do_sample=False)
+    output = verifier.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=speculator)
+    assert torch.equal(output, expected)
+    assert speculator.speculation_metrics.num_accepted_tokens > 0
+
+    real = pack_linear_weights(make_speculator())
+    output = verifier.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=real)
+    assert torch.equal(output, expected)
