@@ -1,0 +1,303 @@
+"""`hf-mlp-speculator bench`: plain, prompt-lookup and MLPSpeculator decoding compared in one run on the same prompts.
+
+Modes: plain greedy, prompt-lookup greedy, the speculator drafting with 1..n_predict heads, and plain sampling against
+speculative sampling. The modes take turns prompt by prompt, so that a slow spell of a shared machine hits all alike.
+The results go to `bench.json`, `bench.md` and, with matplotlib installed, `bench.png`.
+
+`--verify-cost` measures instead what decides whether speculation can win: the verifier's forward over `k + 1` new
+tokens relative to one new token on a filled cache, and each draft head's cost relative to a plain step.
+"""
+
+import copy
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.utils import logging
+
+from .default_models import evaluation_prompts
+from .timing import GenerationRun, add_model_arguments, encode_prompts, load_pair
+
+
+logger = logging.get_logger(__name__)
+
+
+def add_arguments(parser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=10,
+        help="Draft length of prompt lookup (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="Seed of the sampling modes (one per prompt) (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="bench_results",
+        help="Where bench.json, bench.md, bench.png go (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--verify-cost", action="store_true", help="Only measure the verify and draft costs (writes verify_cost.json)."
+    )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=300,
+        help="Cache length of the --verify-cost forwards (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="Timed repeats per --verify-cost measurement (default: %(default)s)."
+    )
+
+
+@dataclass
+class Mode:
+    name: str
+    generate_kwargs: dict
+    baseline: str  # the mode its speedup is measured against
+    heads: int | None = None  # draft heads of a speculator mode
+
+
+def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
+    greedy, sampling = {"do_sample": False}, {"do_sample": True}
+    n_predict = speculator.config.n_predict
+    return [
+        Mode("plain greedy", greedy, "plain greedy"),
+        Mode("prompt lookup", {**greedy, "prompt_lookup_num_tokens": prompt_lookup_num_tokens}, "plain greedy"),
+        *[
+            Mode(
+                f"speculator k={k}",
+                {**greedy, "assistant_model": speculator, "num_assistant_tokens": k},
+                "plain greedy",
+                k,
+            )
+            for k in range(1, n_predict + 1)
+        ],
+        Mode("plain sampling", sampling, "plain sampling"),
+        Mode(
+            f"speculative sampling k={n_predict}",
+            {**sampling, "assistant_model": speculator, "num_assistant_tokens": n_predict},
+            "plain sampling",
+        ),
+    ]
+
+
+def run_modes(model, modes: list[Mode], prompts: list[torch.LongTensor], max_new_tokens: int, seed: int):
+    """Runs every mode on every prompt, warmed up, mode after mode within each prompt; returns a run per mode."""
+    from tqdm.auto import tqdm
+
+    def call(run, mode, index, input_ids, tokens):
+        if mode.generate_kwargs["do_sample"]:
+            torch.manual_seed(seed + index)  # every sampling mode draws from the same seed on the same prompt
+        return run.generate(model, input_ids, max_new_tokens=tokens, **mode.generate_kwargs)
+
+    for mode in modes:
+        call(GenerationRun("warm-up"), mode, 0, prompts[0], min(8, max_new_tokens))
+    runs = {mode.name: GenerationRun(mode.name) for mode in modes}
+    with tqdm(total=len(prompts) * len(modes), desc="Benchmark", unit="call") as bar:
+        for index, input_ids in enumerate(prompts):
+            for mode in modes:
+                run = runs[mode.name]
+                call(run, mode, index, input_ids, max_new_tokens)
+                bar.set_postfix_str(f"{mode.name}: Generation Speed: {run.tokens_per_second:.1f} toks/s")
+                bar.update()
+    return runs
+
+
+def summarize(modes: list[Mode], runs: dict[str, GenerationRun]) -> list[dict]:
+    """One row of figures per mode; speedups are ratios of tokens/s against the mode's baseline."""
+    rows = []
+    for mode in modes:
+        run, baseline = runs[mode.name], runs[mode.baseline]
+        metrics = run.speculation_metrics
+        greedy = not mode.generate_kwargs["do_sample"]
+        rows.append({
+            "mode": mode.name,
+            "heads": mode.heads,
+            "tokens": run.num_tokens,
+            "seconds": run.seconds,
+            "tokens_per_second": run.tokens_per_second,
+            "speedup": run.tokens_per_second / baseline.tokens_per_second if baseline.tokens_per_second else None,
+            "baseline": mode.baseline,
+            "latency_ms_median": run.latency_ms(50),
+            "latency_ms_p90": run.latency_ms(90),
+            "tokens_per_step": run.tokens_per_step,
+            "acceptance_rate": metrics.draft_acceptance_rate if metrics else None,
+            "system_efficiency": metrics.system_efficiency if metrics else None,
+            "head_acceptance_rates": metrics.head_acceptance_rates if metrics else None,
+            # Lossless greedy decoding must reproduce the baseline token for token.
+            "identical_to_baseline": run.outputs == baseline.outputs if greedy else None,
+        })  # fmt: skip
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    def fmt(value, pattern="{:.2f}"):
+        return "-" if value is None else pattern.format(value)
+
+    lines = [
+        "| mode | tok/s | speedup | latency median (ms) | latency p90 (ms) | tokens/step | acceptance "
+        "| per-head acceptance | identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        heads = (
+            None if r["head_acceptance_rates"] is None else ", ".join(f"{a:.2f}" for a in r["head_acceptance_rates"])
+        )
+        same = None if r["identical_to_baseline"] is None else ("yes" if r["identical_to_baseline"] else "NO")
+        lines.append(
+            f"| {r['mode']} | {fmt(r['tokens_per_second'], '{:.1f}')} | {fmt(r['speedup'], '{:.2f}x')} | "
+            f"{fmt(r['latency_ms_median'], '{:.1f}')} | {fmt(r['latency_ms_p90'], '{:.1f}')} | "
+            f"{fmt(r['tokens_per_step'])} | {fmt(r['acceptance_rate'])} | {fmt(heads, '{}')} | {fmt(same, '{}')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    """Speedup and tokens per step against the number of draft heads; skipped when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning(f"matplotlib is not installed, so {path.name} was not drawn: `pip install matplotlib`.")
+        return None
+    by_mode = {r["mode"]: r for r in rows}
+    heads = [r for r in rows if r["heads"] is not None]
+    ks = [r["heads"] for r in heads]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(ks, [r["speedup"] for r in heads], "o-", label="MLPSpeculator")
+    left.axhline(1.0, color="grey", linestyle=":", label="plain greedy")
+    left.axhline(by_mode["prompt lookup"]["speedup"], color="tab:orange", linestyle="--", label="prompt lookup")
+    left.set(xlabel="draft heads k", ylabel="speedup over plain greedy (tokens/s ratio)", xticks=ks)
+    left.legend()
+    right.plot(ks, [r["tokens_per_step"] for r in heads], "o-")
+    right.set(xlabel="draft heads k", ylabel="tokens per verifier forward", xticks=ks)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def _interleaved_medians_ms(functions: dict, repeats: int, warmup: int = 3) -> dict:
+    """
+    Median milliseconds of each `function(setup())` in `functions` (name -> (function, setup)), `setup` untimed. The
+    functions take turns round by round, so that a busy spell of a shared machine slows all of them alike; the first
+    `warmup` rounds, which pay one-time costs such as kernel selection, are not counted.
+    """
+    times = {name: [] for name in functions}
+    for round_ in range(warmup + repeats):
+        for name, (function, setup) in functions.items():
+            argument = setup()
+            start = time.perf_counter()
+            function(argument)
+            if round_ >= warmup:
+                times[name].append((time.perf_counter() - start) * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+@torch.no_grad()
+def measure_verify_cost(model, speculator, context_length: int = 300, max_k: int = 4, repeats: int = 20) -> dict:
+    """
+    On a cache of `context_length` tokens: the verifier's forward over `m = 1 .. max_k + 1` new tokens (returning
+    logits for all of them and the last hidden states, as a verify step does), and each draft head's step (plus the
+    argmax of its logits). Ratios are against the 1-token forward, i.e. a plain decoding step.
+    """
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    context = torch.randint(vocab, (1, context_length), generator=generator)
+    prefill = model(context, use_cache=True, output_hidden_states=-1)
+
+    def forward(new_tokens):
+        return lambda cache: model(new_tokens, cache=cache, use_cache=True, output_hidden_states=-1)
+
+    def fresh_cache():  # a forward appends to the cache it is given
+        return copy.deepcopy(prefill.cache)
+
+    heads = speculator.speculator
+    param = next(speculator.parameters())
+    states, tokens = (
+        [heads.input_state(prefill.hidden_states[-1][:, -1].to(param.device, param.dtype))],
+        [context[:, -1]],
+    )
+    for head in range(speculator.config.n_predict - 1):
+        state, logits = heads.step(head, states[-1], tokens[-1])
+        states.append(state)
+        tokens.append(logits.argmax(-1))
+
+    def draft(head):
+        return lambda _: heads.step(head, states[head], tokens[head])[1].argmax(-1)
+
+    functions = {
+        m: (forward(torch.randint(vocab, (1, m), generator=generator)), fresh_cache) for m in range(1, max_k + 2)
+    }
+    functions.update({f"head {h}": (draft(h), lambda: None) for h in range(speculator.config.n_predict)})
+    medians = _interleaved_medians_ms(functions, repeats)
+    forward_ms = {m: medians[m] for m in range(1, max_k + 2)}
+    head_ms = [medians[f"head {h}"] for h in range(speculator.config.n_predict)]
+    return {
+        "context_length": context_length,
+        "forward_ms_by_new_tokens": forward_ms,
+        "verify_ratio_by_k": {k: forward_ms[k + 1] / forward_ms[1] for k in range(1, max_k + 1)},
+        "draft_head_ms": head_ms,
+        "draft_cost_per_head": [ms / forward_ms[1] for ms in head_ms],
+    }
+
+
+def verify_cost_report(cost: dict) -> str:
+    lines = [f"Verifier forward on a {cost['context_length']}-token cache:"]
+    for m, ms in cost["forward_ms_by_new_tokens"].items():
+        ratio = f" = {cost['verify_ratio_by_k'][m - 1]:.2f}x a plain step (k={m - 1})" if m > 1 else " (plain step)"
+        lines.append(f"  {m} new token(s): {ms:7.2f} ms{ratio}")
+    for head, (ms, share) in enumerate(zip(cost["draft_head_ms"], cost["draft_cost_per_head"], strict=True)):
+        lines.append(f"Draft head {head}: {ms:.2f} ms = {share:.3f} of a plain step")
+    return "\n".join(lines)
+
+
+def environment(args, model, speculator) -> dict:
+    return {
+        "model": str(args.model or model.name_or_path),
+        "speculator": str(args.speculator or speculator.name_or_path),
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "num_prompts": args.num_prompts,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+    }
+
+
+def run(args) -> int:
+    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.verify_cost:
+        max_k = max(4, speculator.config.n_predict)
+        cost = measure_verify_cost(model, speculator, args.context_length, max_k, args.repeats)
+        print(verify_cost_report(cost))
+        (output_dir / "verify_cost.json").write_text(
+            json.dumps({"environment": environment(args, model, speculator), "verify_cost": cost}, indent=2)
+        )
+        return 0
+
+    prompts = encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])
+    modes = benchmark_modes(speculator, args.prompt_lookup_num_tokens)
+    rows = summarize(modes, run_modes(model, modes, prompts, args.max_new_tokens, args.seed))
+    table = markdown_table(rows)
+    print("\n" + table)
+    (output_dir / "bench.json").write_text(
+        json.dumps({"environment": environment(args, model, speculator), "results": rows}, indent=2)
+    )
+    (output_dir / "bench.md").write_text(table)
+    written = ["bench.json", "bench.md"] + ["bench.png"] * bool(plot(rows, output_dir / "bench.png"))
+    print(f"Wrote {', '.join(written)} to {output_dir}")
+    return 0

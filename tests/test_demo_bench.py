@@ -1,0 +1,162 @@
+"""The demo's and the benchmark's measurements: token counting, latency and speedup arithmetic, and both commands end
+to end on a tiny random model pair."""
+
+import json
+import math
+import re
+
+import pytest
+from conftest import make_oracle, make_prompt, make_speculator, make_verifier
+from tiny_tokenizer import char_tokenizer
+
+from hf_mlp_speculator import SpeculationMetrics, cli
+from hf_mlp_speculator.bench import Mode, markdown_table, measure_verify_cost, summarize
+from hf_mlp_speculator.timing import GenerationRun, load_pair, merge_metrics, token_latencies
+
+
+def test_token_latencies_share_each_forward_among_its_tokens():
+    # Forwards at 0.5 s (1 token), 0.6 s (3 tokens) and 0.9 s (2 tokens) after a call that started at 0.
+    latencies = token_latencies(0.0, [0.5, 0.6, 0.9], [1, 3, 2])
+    assert latencies == pytest.approx([0.5, 0.1 / 3, 0.1 / 3, 0.1 / 3, 0.15, 0.15])
+    assert sum(latencies) == pytest.approx(0.9)
+
+
+def test_merged_metrics_equal_one_call_with_all_the_steps():
+    steps = [[(3, 3), (3, 1)], [(2, 0), (1, 1)], []]
+    separate = []
+    for call in steps:
+        separate.append(SpeculationMetrics())
+        for drafted, accepted in call:
+            separate[-1].record_step(drafted, accepted)
+    together = SpeculationMetrics()
+    for drafted, accepted in (step for call in steps for step in call):
+        together.record_step(drafted, accepted)
+    merged = merge_metrics(separate)
+    assert merged == together
+    assert merged.draft_acceptance_rate == pytest.approx(5 / 9)
+    assert merged.head_acceptance_rates == pytest.approx([3 / 4, 1 / 3, 1 / 2])
+
+
+def test_speed_counts_tokens_not_chunks():
+    verifier, prompt = make_verifier(), make_prompt()
+    oracle = make_oracle(verifier, prompt, num_tokens=12)  # every draft right: 4 tokens per verify forward
+    plain, speculative = GenerationRun("plain"), GenerationRun("speculative")
+    plain.generate(verifier, prompt, do_sample=False, max_new_tokens=12)
+    speculative.generate(verifier, prompt, assistant_model=oracle, do_sample=False, max_new_tokens=12)
+
+    assert plain.outputs == speculative.outputs and plain.num_tokens == speculative.num_tokens == 12
+    assert plain.chunk_sizes == [1] * 12 and plain.tokens_per_step == 1
+    # Prefill emits 1 token, then 11 tokens in forwards of 4, 4 and 3.
+    assert speculative.chunk_sizes == [1, 4, 4, 3] and speculative.tokens_per_step == 3
+    assert speculative.tokens_per_second == pytest.approx(12 / speculative.seconds)
+    assert len(speculative.latencies) == 12 and sum(speculative.latencies) <= speculative.seconds
+    assert speculative.speculation_metrics.draft_acceptance_rate == 1.0
+
+
+def _run(name, outputs, seconds, chunk_sizes=None, metrics=None):
+    run = GenerationRun(name, outputs=outputs, seconds=seconds, metrics=metrics or [])
+    run.chunk_sizes = chunk_sizes or [1] * sum(map(len, outputs))
+    run.latencies = [seconds / run.num_tokens] * run.num_tokens
+    return run
+
+
+def test_summary_ratios_against_each_modes_baseline():
+    metrics = SpeculationMetrics()
+    metrics.record_step(2, 1)
+    runs = {
+        "plain greedy": _run("plain greedy", [[1, 2, 3, 4]], seconds=2.0),
+        "speculator k=2": _run(
+            "speculator k=2", [[1, 2, 3, 4]], seconds=0.5, chunk_sizes=[1, 2, 1], metrics=[metrics]
+        ),
+        "plain sampling": _run("plain sampling", [[5, 6]], seconds=1.0),
+        "speculative sampling k=2": _run("speculative sampling k=2", [[7, 8, 9]], seconds=1.0),
+    }
+    modes = [
+        Mode("plain greedy", {"do_sample": False}, "plain greedy"),
+        Mode("speculator k=2", {"do_sample": False}, "plain greedy", heads=2),
+        Mode("plain sampling", {"do_sample": True}, "plain sampling"),
+        Mode("speculative sampling k=2", {"do_sample": True}, "plain sampling"),
+    ]
+    rows = {row["mode"]: row for row in summarize(modes, runs)}
+    assert rows["plain greedy"]["speedup"] == 1.0 and rows["plain greedy"]["tokens_per_second"] == 2.0
+    assert rows["speculator k=2"]["speedup"] == 4.0 and rows["speculator k=2"]["identical_to_baseline"] is True
+    assert rows["speculator k=2"]["tokens_per_step"] == pytest.approx(4 / 3)
+    assert rows["speculator k=2"]["acceptance_rate"] == 0.5 and rows["speculator k=2"]["latency_ms_median"] == 125
+    assert rows["speculative sampling k=2"]["speedup"] == 1.5
+    assert rows["speculative sampling k=2"]["identical_to_baseline"] is None  # samples need not match
+    table = markdown_table(list(rows.values()))
+    assert "| speculator k=2 | 8.0 | 4.00x | 125.0 | 125.0 | 1.33 | 0.50 | 1.00, 0.00 | yes |" in table
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny random Llama with a character tokenizer, and a random 3-head speculator for it, saved as folders."""
+    folder = tmp_path_factory.mktemp("tiny")
+    make_verifier().save_pretrained(folder / "model")
+    char_tokenizer().save_pretrained(folder / "model")
+    make_speculator(n_predict=3).save_pretrained(folder / "speculator")
+    return str(folder / "model"), str(folder / "speculator")
+
+
+def test_bench_end_to_end(tiny_pair, tmp_path):
+    model, speculator = tiny_pair
+    argv = ["bench", "--model", model, "--speculator", speculator, "--num-prompts", "2", "--max-new-tokens", "6",
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+
+    results = json.loads((tmp_path / "bench.json").read_text())["results"]
+    rows = {row["mode"]: row for row in results}
+    assert list(rows) == ["plain greedy", "prompt lookup", "speculator k=1", "speculator k=2", "speculator k=3",
+                          "plain sampling", "speculative sampling k=3"]  # fmt: skip
+    assert rows["plain greedy"]["speedup"] == 1.0 and rows["plain greedy"]["tokens_per_step"] == 1.0
+    for k in (1, 2, 3):
+        row = rows[f"speculator k={k}"]
+        # Lossless: every head count reproduces plain greedy decoding (tiny models never emit an end token).
+        assert row["identical_to_baseline"] is True and row["tokens"] == 12
+        assert len(row["head_acceptance_rates"]) == k and 0 <= row["acceptance_rate"] <= 1
+        assert row["speedup"] == pytest.approx(row["tokens_per_second"] / rows["plain greedy"]["tokens_per_second"])
+    assert rows["speculative sampling k=3"]["baseline"] == "plain sampling"
+    assert rows["speculative sampling k=3"]["acceptance_rate"] is not None
+    table = (tmp_path / "bench.md").read_text()
+    assert all(f"| {mode} |" in table for mode in rows)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (tmp_path / "bench.png").exists()
+    else:
+        assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_verify_cost_ratios(tiny_pair, tmp_path):
+    model, _, speculator = load_pair(*tiny_pair)
+    cost = measure_verify_cost(model, speculator, context_length=20, max_k=3, repeats=2)
+    forward = cost["forward_ms_by_new_tokens"]
+    assert sorted(forward) == [1, 2, 3, 4] and all(ms > 0 for ms in forward.values())
+    assert cost["verify_ratio_by_k"] == {k: forward[k + 1] / forward[1] for k in (1, 2, 3)}
+    assert len(cost["draft_head_ms"]) == 3
+    assert cost["draft_cost_per_head"] == [ms / forward[1] for ms in cost["draft_head_ms"]]
+
+    argv = ["bench", "--verify-cost", "--model", tiny_pair[0], "--speculator", "untrained", "--context-length", "20",
+            "--repeats", "2", "--output-dir", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    written = json.loads((tmp_path / "verify_cost.json").read_text())["verify_cost"]
+    assert set(written["verify_ratio_by_k"]) == {"1", "2", "3", "4"}
+
+
+def test_demo_end_to_end(tiny_pair, capsys):
+    model, speculator = tiny_pair
+    argv = ["demo", "--model", model, "--speculator", speculator, "--num-prompts", "2", "--max-new-tokens", "5"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "Greedy outputs identical: yes (2/2 prompts)" in out
+    assert "Speculative metrics: Draft acceptance rate:" in out and "Per-head acceptance rate: [" in out
+    speeds = [float(speed) for speed in re.findall(r"([\d.]+) toks/s \(", out)]
+    speedup = float(re.search(r"Speedup: ([\d.]+)x", out).group(1))
+    assert len(speeds) == 2 and math.isclose(speedup, speeds[1] / speeds[0], rel_tol=0.02)
+    # The live bars count tokens: 2 prompts x 5 tokens in each run.
+    assert err.count("10 tokens") == 2 and "Generation Speed:" in err and "toks/s" in err
+
+
+def test_model_without_speculator_is_an_error():
+    with pytest.raises(ValueError, match="needs --speculator"):
+        load_pair("some/model", None)
