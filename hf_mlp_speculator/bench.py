@@ -277,7 +277,7 @@ def environment(args, model, speculator) -> dict:
 
 
 def run(args) -> int:
-    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype)
+    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype, args.pack_weights)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if args.verify_cost:

@@ -162,3 +162,33 @@ def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path,
     (base / "config.json").write_text('{"hidden_size": 1}')
     default_models.default_speculator(base)
     assert len(seen) == 2
+
+
+def test_killed_speculator_training_resumes_and_only_the_model_is_cached(tmp_path, monkeypatch):
+    from tiny_tokenizer import char_tokenizer
+
+    base = tmp_path / "base"
+    char_tokenizer().save_pretrained(base)
+    (base / "config.json").write_text("{}")
+    monkeypatch.setenv(default_models.CACHE_ENV, str(tmp_path / "cache"))
+    calls = []
+
+    def train(args):
+        calls.append(args.resume)
+        output = Path(args.output_dir)
+        (output / "checkpoint-20").mkdir(parents=True, exist_ok=True)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # killed after its first checkpoint
+        (output / "config.json").write_text("{}")
+        return str(output)
+
+    trainer = types.ModuleType("hf_mlp_speculator.training")
+    trainer.SpeculatorTrainingArguments, trainer.train = types.SimpleNamespace, train
+    monkeypatch.setitem(sys.modules, "hf_mlp_speculator.training", trainer)
+
+    with pytest.raises(KeyboardInterrupt):
+        default_models.default_speculator(base)
+    folder = default_models.default_speculator(base)
+    assert calls == [False, True]  # the second run picked up the first run's checkpoint
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json"]
+    assert not any(p.name.startswith(".") for p in folder.parent.iterdir())  # training folder removed once cached
