@@ -26,6 +26,8 @@ HIDDEN = 64
 _DECODER = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096, bos_token_id=0,
                 eos_token_id=None, pad_token_id=0)  # fmt: skip
+_GPT = dict(n_embd=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=4096, bos_token_id=0,
+            eos_token_id=None, pad_token_id=0)  # fmt: skip
 ARCHITECTURES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**_DECODER)),
     "mistral": lambda: MistralForCausalLM(MistralConfig(**_DECODER)),
@@ -33,31 +35,8 @@ ARCHITECTURES = {
     "granite": lambda: GraniteForCausalLM(
         GraniteConfig(**_DECODER, embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5)
     ),
-    "gpt2": lambda: GPT2LMHeadModel(
-        GPT2Config(
-            n_embd=HIDDEN,
-            n_layer=2,
-            n_head=4,
-            vocab_size=VOCAB,
-            n_positions=4096,
-            bos_token_id=0,
-            eos_token_id=None,
-            pad_token_id=0,
-        )  # fmt: skip
-    ),
-    "gpt_bigcode": lambda: GPTBigCodeForCausalLM(
-        GPTBigCodeConfig(
-            n_embd=HIDDEN,
-            n_layer=2,
-            n_head=4,
-            vocab_size=VOCAB,
-            n_positions=4096,
-            bos_token_id=0,
-            eos_token_id=None,
-            pad_token_id=0,
-            multi_query=True,
-        )  # fmt: skip
-    ),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(**_GPT)),
+    "gpt_bigcode": lambda: GPTBigCodeForCausalLM(GPTBigCodeConfig(**_GPT, multi_query=True)),
 }
 
 

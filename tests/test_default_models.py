@@ -131,13 +131,21 @@ def test_evaluation_prompts_are_held_out():
     assert not train & set(evaluation)
 
 
-def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path, monkeypatch):
+def fake_base_and_trainer(tmp_path, monkeypatch, train):
+    """A base model folder with a tokenizer, a cache in tmp_path, and `train` standing in for the real trainer."""
     from tiny_tokenizer import char_tokenizer
 
     base = tmp_path / "base"
     char_tokenizer().save_pretrained(base)
     (base / "config.json").write_text("{}")
     monkeypatch.setenv(default_models.CACHE_ENV, str(tmp_path / "cache"))
+    trainer = types.ModuleType("hf_mlp_speculator.training")
+    trainer.SpeculatorTrainingArguments, trainer.train = types.SimpleNamespace, train
+    monkeypatch.setitem(sys.modules, "hf_mlp_speculator.training", trainer)
+    return base
+
+
+def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path, monkeypatch):
     seen = []
 
     def train(args):
@@ -150,10 +158,7 @@ def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path,
         (final / "config.json").write_text("{}")
         return str(final)
 
-    trainer = types.ModuleType("hf_mlp_speculator.training")
-    trainer.SpeculatorTrainingArguments, trainer.train = types.SimpleNamespace, train
-    monkeypatch.setitem(sys.modules, "hf_mlp_speculator.training", trainer)
-
+    base = fake_base_and_trainer(tmp_path, monkeypatch, train)
     folder = default_models.default_speculator(base)
     assert default_models.default_speculator(base) == folder and len(seen) == 1
     assert seen[0].base_model == str(base) and seen[0].n_predict == default_models.SPECULATOR_TRAINING["n_predict"]
@@ -165,12 +170,6 @@ def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path,
 
 
 def test_killed_speculator_training_resumes_and_only_the_model_is_cached(tmp_path, monkeypatch):
-    from tiny_tokenizer import char_tokenizer
-
-    base = tmp_path / "base"
-    char_tokenizer().save_pretrained(base)
-    (base / "config.json").write_text("{}")
-    monkeypatch.setenv(default_models.CACHE_ENV, str(tmp_path / "cache"))
     calls = []
 
     def train(args):
@@ -182,10 +181,7 @@ def test_killed_speculator_training_resumes_and_only_the_model_is_cached(tmp_pat
         (output / "config.json").write_text("{}")
         return str(output)
 
-    trainer = types.ModuleType("hf_mlp_speculator.training")
-    trainer.SpeculatorTrainingArguments, trainer.train = types.SimpleNamespace, train
-    monkeypatch.setitem(sys.modules, "hf_mlp_speculator.training", trainer)
-
+    base = fake_base_and_trainer(tmp_path, monkeypatch, train)
     with pytest.raises(KeyboardInterrupt):
         default_models.default_speculator(base)
     folder = default_models.default_speculator(base)
