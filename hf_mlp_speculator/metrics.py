@@ -38,6 +38,25 @@ class SpeculationMetrics:
             self.head_draft_tokens[head] += 1
             self.head_accepted_tokens[head] += int(head < num_accepted)
 
+    def __add__(self, other: "SpeculationMetrics") -> "SpeculationMetrics":
+        """The counters of two calls added up, as if they had been one call."""
+        heads = max(len(self.head_draft_tokens), len(other.head_draft_tokens))
+
+        def padded(counts):
+            return counts + [0] * (heads - len(counts))
+
+        return SpeculationMetrics(
+            num_steps=self.num_steps + other.num_steps,
+            num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
+            num_emitted_tokens=self.num_emitted_tokens + other.num_emitted_tokens,
+            max_emitted_tokens=self.max_emitted_tokens + other.max_emitted_tokens,
+            head_draft_tokens=[a + b for a, b in zip(padded(self.head_draft_tokens), padded(other.head_draft_tokens))],
+            head_accepted_tokens=[
+                a + b for a, b in zip(padded(self.head_accepted_tokens), padded(other.head_accepted_tokens))
+            ],
+        )
+
     @property
     def draft_acceptance_rate(self) -> float:
         """Accepted drafts / drafted tokens."""

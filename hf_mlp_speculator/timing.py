@@ -104,26 +104,6 @@ def token_latencies(start: float, chunk_times: list[float], chunk_sizes: list[in
     return latencies
 
 
-def merge_metrics(metrics: list[SpeculationMetrics]) -> SpeculationMetrics:
-    """The counters of several `generate()` calls added up, as if they had been one call."""
-    total = SpeculationMetrics()
-    for m in metrics:
-        for name in (
-            "num_steps",
-            "num_draft_tokens",
-            "num_accepted_tokens",
-            "num_emitted_tokens",
-            "max_emitted_tokens",
-        ):
-            setattr(total, name, getattr(total, name) + getattr(m, name))
-        for name in ("head_draft_tokens", "head_accepted_tokens"):
-            ours, theirs = getattr(total, name), getattr(m, name)
-            ours += [0] * (len(theirs) - len(ours))
-            for head, count in enumerate(theirs):
-                ours[head] += count
-    return total
-
-
 class TokenCounter(BaseStreamer):
     """
     Records when each verifier forward emitted how many tokens. Given a tqdm `bar`, advances it by tokens and shows
@@ -199,7 +179,7 @@ class GenerationRun:
 
     @property
     def speculation_metrics(self) -> SpeculationMetrics | None:
-        return merge_metrics(self.metrics) if self.metrics else None
+        return sum(self.metrics, SpeculationMetrics()) if self.metrics else None
 
 
 def token_bar(description: str):

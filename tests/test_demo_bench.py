@@ -11,7 +11,7 @@ from tiny_tokenizer import char_tokenizer
 
 from hf_mlp_speculator import SpeculationMetrics, cli
 from hf_mlp_speculator.bench import Mode, markdown_table, measure_verify_cost, summarize
-from hf_mlp_speculator.timing import GenerationRun, load_pair, merge_metrics, token_latencies
+from hf_mlp_speculator.timing import GenerationRun, load_pair, token_latencies
 
 
 def test_token_latencies_share_each_forward_among_its_tokens():
@@ -31,7 +31,7 @@ def test_merged_metrics_equal_one_call_with_all_the_steps():
     together = SpeculationMetrics()
     for drafted, accepted in (step for call in steps for step in call):
         together.record_step(drafted, accepted)
-    merged = merge_metrics(separate)
+    merged = sum(separate, SpeculationMetrics())
     assert merged == together
     assert merged.draft_acceptance_rate == pytest.approx(5 / 9)
     assert merged.head_acceptance_rates == pytest.approx([3 / 4, 1 / 3, 1 / 2])
