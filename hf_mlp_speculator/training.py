@@ -301,10 +301,15 @@ def _maybe_kill(event: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def checkpoints(output_dir) -> list[Path]:
+    """The complete checkpoints in `output_dir`, oldest first (incomplete ones are never named checkpoint-*)."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
 def latest_checkpoint(output_dir) -> Path | None:
-    """The complete checkpoint of the highest step in `output_dir` (incomplete ones are never named checkpoint-*)."""
-    checkpoints = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
-    return max(checkpoints, key=lambda p: int(p.name.split("-")[-1]), default=None)
+    """The complete checkpoint of the highest step in `output_dir`."""
+    return (checkpoints(output_dir) or [None])[-1]
 
 
 def save_checkpoint(accelerator, speculator, optimizer, state: TrainerState, args) -> None:
@@ -331,9 +336,7 @@ def save_checkpoint(accelerator, speculator, optimizer, state: TrainerState, arg
         _fsync_tree(tmp)
         os.replace(tmp, final)
         _fsync(output_dir)
-        old = sorted(
-            (p for p in output_dir.glob("checkpoint-*") if p != final), key=lambda p: int(p.name.split("-")[-1])
-        )
+        old = [p for p in checkpoints(output_dir) if p != final]
         for stale in old[: max(len(old) - args.save_total_limit + 1, 0)]:
             # Renamed first, so that a kill halfway through the deletion leaves no partial checkpoint-* folder.
             trash = stale.with_name(f".tmp-{stale.name}")
