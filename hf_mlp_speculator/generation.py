@@ -5,8 +5,10 @@ registry, so an MLPSpeculator needs a hook there. `MLPSpeculatorGenerationMixin`
 work; everything else is transformers' own assisted decoding loop:
 
 - `generate` checks the speculator against the verifier first (transformers' own check of the pair would report a
-  vocab mismatch as "different tokenizers" and would quietly ignore the speculator under beam search), then logs the
-  call's metrics;
+  vocab mismatch as "different tokenizers" and would quietly ignore the speculator under beam search), routes a
+  batch of several prompts or a request for tree candidates (`n_candidates=` / `top_k_tokens_per_head=`) to our own
+  decoding loop (`speculative_decoding.generate_speculatively`, through `generate`'s `custom_generate` slot, since
+  transformers' assisted decoding verifies one chain for one sequence), then logs the call's metrics;
 - `_get_candidate_generator` returns an `MLPSpeculatorCandidateGenerator` when the assistant is an MLPSpeculator.
 
 Both fall through to transformers unchanged for any other assistant. There are three ways to use them:
@@ -15,6 +17,7 @@ Both fall through to transformers unchanged for any other assistant. There are t
 inherit `MLPSpeculatorGenerationMixin` before its transformers base.
 """
 
+from functools import partial
 from types import MethodType
 
 from transformers import GenerationMixin
@@ -22,6 +25,7 @@ from transformers.utils import logging
 
 from .candidate_generator import MLPSpeculatorCandidateGenerator
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from .speculative_decoding import generate_speculatively
 
 logger = logging.get_logger(__name__)
 
@@ -72,7 +76,17 @@ class MLPSpeculatorGenerationMixin:
         if not isinstance(speculator, MLPSpeculatorPreTrainedModel):
             return _STOCK["generate"](self, *args, **kwargs)
         check_speculator_fits(self, speculator, **kwargs)
-        speculator.speculation_metrics = None  # never leave a previous call's figures behind
+        # Never leave a previous call's figures behind.
+        speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
+        tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
+        inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        if tree or (inputs is not None and inputs.shape[0] > 1):
+            del kwargs["assistant_model"]
+            # `generate` does not hand the streamer to a `custom_generate` callable, so it travels with the loop.
+            loop = partial(
+                generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None), **tree
+            )
+            kwargs["custom_generate"] = loop
         output = _STOCK["generate"](self, *args, **kwargs)
         if speculator.speculation_metrics is not None:
             logger.info(speculator.speculation_metrics)
@@ -85,14 +99,16 @@ class MLPSpeculatorGenerationMixin:
                 self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                 assistant_model, target_tokenizer, assistant_tokenizer,
             )  # fmt: skip
-        if input_ids.shape[0] > 1:
+        if input_ids.shape[0] > 1:  # batches reach here only when given as inputs_embeds
             raise ValueError(
-                f"Speculative decoding through transformers' assisted generation runs one sequence at a time, but the "
-                f"batch has {input_ids.shape[0]}. Call generate() once per prompt."
+                f"Batched speculative decoding needs the batch as input_ids (with its attention_mask), but a batch of "
+                f"{input_ids.shape[0]} came as inputs_embeds, which only transformers' one-sequence loop takes. Pass "
+                "input_ids, or generate one prompt at a time."
             )
         generator = MLPSpeculatorCandidateGenerator(assistant_model, generation_config, logits_processor)
         # The speculator is what the user holds after generate(), so that is where the call's metrics are left.
         assistant_model.speculation_metrics = generator.metrics
+        assistant_model.speculation_metrics_per_row = [generator.metrics]
         return generator
 
 

@@ -139,6 +139,9 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
             for param in params
             for i in range(1 + (name == "proj"), config.n_predict)
         }
+        # Left here by each `generate(assistant_model=self)` call: its `SpeculationMetrics`, and one per batch row.
+        self.speculation_metrics = None
+        self.speculation_metrics_per_row = None
         self.post_init()
 
     @torch.no_grad()

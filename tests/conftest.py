@@ -60,41 +60,83 @@ def make_prompt(length=12, seed=2):
 
 class OracleHeads(nn.Module):
     """
-    Stands in for `MLPSpeculator`: it looks the hidden state it is given up among the verifier's hidden states of a
-    known greedy continuation, and drafts that continuation from the position it finds. Given the hidden state of the
-    wrong position, it drafts the continuation of the wrong position: its drafts are right only from the right state.
-    Drafts for which `wrong(position, head)` holds are deliberately off by one token.
+    Stands in for `MLPSpeculator`: it looks the hidden state it is given up among the verifier's hidden states of known
+    greedy continuations (one per batch row), and drafts that continuation from the (row, position) it finds. Given
+    the hidden state of the wrong position, it drafts the continuation of the wrong position: its drafts are right
+    only from the right state. Drafts for which `wrong(row, position, head)` holds are deliberately off by one token,
+    with the right token a close second (so a tree that keeps two tokens per head still finds it).
     """
 
-    def __init__(self, sequence: torch.LongTensor, hidden_states: torch.Tensor, wrong=lambda position, head: False):
+    def __init__(
+        self, sequences: torch.LongTensor, hidden_states: torch.Tensor, wrong=lambda row, position, head: False
+    ):
         super().__init__()
-        self.sequence, self.hidden_states, self.wrong = sequence, hidden_states, wrong
-        self.positions_seen = []
+        self.sequences, self.hidden_states, self.wrong = sequences, hidden_states, wrong
+        self.visits = []  # (row, position) of every state handed to the heads, in order
         self.anchor = nn.Parameter(torch.zeros(1))  # gives the model a device and dtype, as real heads would
 
+    @property
+    def positions_seen(self):
+        return [position for _, position in self.visits]
+
     def input_state(self, hidden):
-        position = (self.hidden_states - hidden.float()).norm(dim=-1).argmin().item()
-        self.positions_seen.append(position)
-        return position
+        flat = (self.hidden_states.flatten(0, 1) - hidden.float().reshape(-1, 1, hidden.shape[-1])).norm(dim=-1)
+        index = flat.argmin(dim=-1).reshape(hidden.shape[:-1])
+        width = self.sequences.shape[1]
+        self.visits += [(i // width, i % width) for i in index.flatten().tolist()]
+        return index
 
-    def step(self, head, position, token):
-        target = position + 2 + head
-        draft = self.sequence[target].item() if target < len(self.sequence) else 0
-        if self.wrong(position, head):
-            draft = (draft + 1) % VOCAB
-        logits = torch.full((1, VOCAB), -10.0)
-        logits[0, draft] = 10.0
-        return position, logits
+    def step(self, head, index, token):
+        width = self.sequences.shape[1]
+        logits = torch.full((*index.shape, VOCAB), -10.0)
+        for flat, i in enumerate(index.flatten().tolist()):
+            row, position = i // width, i % width
+            target = position + 2 + head
+            draft = self.sequences[row, target].item() if target < width else 0
+            cell = logits.view(-1, VOCAB)[flat]
+            if self.wrong(row, position, head):
+                cell[draft] = 9.0
+                draft = (draft + 1) % VOCAB
+            cell[draft] = 10.0
+        return index, logits
 
 
-def make_oracle(verifier, prompt, num_tokens, n_predict=3, wrong=lambda position, head: False):
-    """An MLPSpeculator whose heads are an `OracleHeads` over `verifier`'s greedy continuation of `prompt`."""
-    sequence = verifier.generate(prompt, max_new_tokens=num_tokens + n_predict + 2, do_sample=False)
+def make_oracle(verifier, prompt, num_tokens, n_predict=3, wrong=None, attention_mask=None):
+    """
+    An MLPSpeculator whose heads are an `OracleHeads` over `verifier`'s greedy continuation of `prompt`. For a batch,
+    pass its `attention_mask`, and `wrong` takes `(row, position, head)`.
+    """
+    sequences = verifier.generate(prompt, attention_mask=attention_mask, max_new_tokens=num_tokens + n_predict + 2,
+                                  do_sample=False)  # fmt: skip
+    mask = torch.ones_like(sequences) if attention_mask is None else attention_mask
+    mask = torch.cat([mask, mask.new_ones(len(mask), sequences.shape[1] - mask.shape[1])], dim=1)
     with torch.no_grad():
-        hidden = verifier(sequence, output_hidden_states=True).hidden_states[-1][0].float()
+        hidden = verifier(sequences, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                          output_hidden_states=True).hidden_states[-1].float()  # fmt: skip
+    hidden = hidden.masked_fill(~mask.bool()[..., None], float("inf"))  # padding is never a drafting state
     oracle = make_speculator(n_predict=n_predict)
-    oracle.speculator = OracleHeads(sequence[0], hidden, wrong)
+    if wrong is None:
+        row_wrong = lambda row, position, head: False  # noqa: E731
+    elif attention_mask is None:
+        row_wrong = lambda row, position, head: wrong(position, head)  # noqa: E731
+    else:
+        row_wrong = wrong
+    oracle.speculator = OracleHeads(sequences, hidden, row_wrong)
     return oracle
+
+
+def expected_steps(prompt_length, max_new_tokens, n_heads, wrong):
+    """The rounds as [(position, drafted, accepted)], when drafts from position p are wrong where wrong(p, head)."""
+    max_length = prompt_length + max_new_tokens
+    length = prompt_length + 1  # the prefill emits one token
+    steps = []
+    while length < max_length:
+        position = length - 2  # the hidden state that emitted the last token
+        drafted = min(n_heads, max_length - length - 1)
+        accepted = next((head for head in range(drafted) if wrong(position, head)), drafted)
+        steps.append((position, drafted, accepted))
+        length += accepted + 1
+    return steps
 
 
 @pytest.fixture

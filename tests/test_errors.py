@@ -77,11 +77,12 @@ def test_resize_vocab_pads_losslessly():
         speculator.resize_vocab(10)
 
 
-def test_batch_larger_than_one():
-    prompts = torch.cat([make_prompt(seed=1), make_prompt(seed=2)])
-    with pytest.raises(ValueError, match=r"one sequence at a time, but the batch has 2"):
-        make_verifier().generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=4,
-                                 assistant_model=make_speculator())  # fmt: skip
+def test_batch_of_inputs_embeds():
+    verifier, prompts = make_verifier(), torch.cat([make_prompt(seed=1), make_prompt(seed=2)])
+    embeds = verifier.get_input_embeddings()(prompts)
+    with pytest.raises(ValueError, match=r"needs the batch as input_ids .* a batch of 2 came as inputs_embeds"):
+        verifier.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(prompts), max_new_tokens=4,
+                          assistant_model=make_speculator())  # fmt: skip
 
 
 def test_beam_search():

@@ -7,21 +7,7 @@ tokens accepted each step is then known exactly, and any other row shows up as a
 
 import pytest
 import torch
-from conftest import make_oracle, make_prompt, make_verifier
-
-
-def expected_steps(prompt_length, max_new_tokens, n_heads, wrong):
-    """The rounds as [(position, drafted, accepted)], when drafts from position p are wrong where wrong(p, head)."""
-    max_length = prompt_length + max_new_tokens
-    length = prompt_length + 1  # the prefill emits one token
-    steps = []
-    while length < max_length:
-        position = length - 2  # the hidden state that emitted the last token
-        drafted = min(n_heads, max_length - length - 1)
-        accepted = next((head for head in range(drafted) if wrong(position, head)), drafted)
-        steps.append((position, drafted, accepted))
-        length += accepted + 1
-    return steps
+from conftest import expected_steps, make_oracle, make_prompt, make_verifier
 
 
 @pytest.mark.parametrize("n_predict", [1, 2, 3, 5])

@@ -39,13 +39,13 @@ def sharp_pair():
     return verifier, speculator
 
 
-def exact_distribution(verifier):
+def exact_distribution(verifier, prompt=PROMPT):
     """P(x_1..x_n | prompt) for every continuation, from the verifier's logits after temperature and top-k."""
     probs = {}
     with torch.no_grad():
         for continuation in itertools.product(range(V), repeat=NEW_TOKENS):
-            ids = torch.cat([PROMPT, torch.tensor([continuation])], dim=1)
-            logits = verifier(ids).logits[0, PROMPT.shape[1] - 1 : -1] / TEMPERATURE
+            ids = torch.cat([prompt, torch.tensor([continuation])], dim=1)
+            logits = verifier(ids).logits[0, prompt.shape[1] - 1 : -1] / TEMPERATURE
             kth = logits.topk(TOP_K, dim=-1).values[:, -1:]
             step_probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
             probs[continuation] = step_probs[torch.arange(NEW_TOKENS), list(continuation)].prod().item()
@@ -104,3 +104,49 @@ def test_the_check_catches_greedy_drafts_under_sampling(pair_and_truth, monkeypa
     monkeypatch.setattr(MLPSpeculatorCandidateGenerator, "select", lambda self, logits: logits.argmax(dim=-1))
     counts, _, _ = sample_counts(verifier, speculator)
     assert chi_square_p_value(counts, probs, SAMPLES) < 1e-3
+
+
+SHORT_PROMPT = torch.tensor([[2, 1]])
+BATCH_SAMPLES = 4000  # rows are cheap in a batch: a stronger test than the batch-1 one
+
+
+def batched_sample_counts(verifier, speculator, seed=0, copies=1000):
+    """Each prompt's continuation counts over BATCH_SAMPLES rows, sampled `copies` rows of each prompt per batch."""
+    torch.manual_seed(seed)
+    input_ids = torch.cat([PROMPT, torch.cat([torch.zeros(1, 1, dtype=torch.long), SHORT_PROMPT], dim=1)])
+    attention_mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    counts = [{}, {}]
+    accepted_per_row = []
+    for _ in range(BATCH_SAMPLES // copies):
+        out = verifier.generate(input_ids.repeat(copies, 1), attention_mask=attention_mask.repeat(copies, 1),
+                                max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                                top_p=1.0, assistant_model=speculator)  # fmt: skip
+        for row, tokens in enumerate(out[:, 3:].tolist()):
+            counts[row % 2][tuple(tokens)] = counts[row % 2].get(tuple(tokens), 0) + 1
+        accepted_per_row += [m.num_accepted_tokens for m in speculator.speculation_metrics_per_row]
+    return counts, accepted_per_row, speculator.speculation_metrics
+
+
+@pytest.fixture(scope="module")
+def short_prompt_truth(pair_and_truth):
+    return exact_distribution(pair_and_truth[0], SHORT_PROMPT)
+
+
+def test_batched_sampling_matches_the_verifier_distribution_row_by_row(pair_and_truth, short_prompt_truth):
+    verifier, speculator, probs = pair_and_truth
+    counts, accepted_per_row, metrics = batched_sample_counts(verifier, speculator)
+    assert len(set(accepted_per_row)) > 2  # rows accepted different numbers of drafts
+    assert 0.2 * metrics.num_draft_tokens < metrics.num_accepted_tokens < 0.8 * metrics.num_draft_tokens
+    assert chi_square_p_value(counts[0], probs, BATCH_SAMPLES) > 1e-3
+    assert chi_square_p_value(counts[1], short_prompt_truth, BATCH_SAMPLES) > 1e-3
+
+
+def test_batched_check_catches_greedy_drafts_under_sampling(pair_and_truth, short_prompt_truth, monkeypatch):
+    import hf_mlp_speculator.speculative_decoding as loop
+
+    verifier, speculator, probs = pair_and_truth
+    draft_chain = loop.draft_chain
+    monkeypatch.setattr(loop, "draft_chain", lambda *args: draft_chain(*args[:-1], lambda s: s.argmax(dim=-1)))
+    counts, _, _ = batched_sample_counts(verifier, speculator)
+    assert chi_square_p_value(counts[0], probs, BATCH_SAMPLES) < 1e-3
+    assert chi_square_p_value(counts[1], short_prompt_truth, BATCH_SAMPLES) < 1e-3

@@ -1,0 +1,125 @@
+"""One round of drafts for a batch: a chain of `k` tokens per row, or a tree of candidate suffixes per row.
+
+Both come out as a `DraftTree`, the layout the verifier checks in one forward. Node 0 of each row is the row's last
+emitted token (not yet in the KV cache); nodes 1.. are drafts, every parent before its children. A chain is the tree
+whose node `q` has parent `q - 1`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .modeling_mlp_speculator import MLPSpeculator
+
+
+@dataclass
+class DraftTree:
+    """
+    Args:
+        tokens (`torch.LongTensor` of shape `(rows, nodes)`): node 0 is the row's last emitted token.
+        parents (`torch.LongTensor` of shape `(rows, nodes)`): the root is its own parent.
+        depths (`torch.LongTensor` of shape `(rows, nodes)`): drafts between the root and the node; 0 for the root.
+        valid (`torch.BoolTensor` of shape `(rows, nodes)`): `False` for the padding that evens out the rows.
+        draft_logits (`torch.FloatTensor` of shape `(rows, nodes - 1, vocab)`, *optional*): for a sampled chain, the
+            processed logits each draft was drawn from.
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    valid: torch.BoolTensor
+    draft_logits: torch.FloatTensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def ancestors(self) -> torch.BoolTensor:
+        """`(rows, nodes, nodes)`: `[b, q, j]` is True when node `j` is node `q` or one of its ancestors."""
+        rows, nodes = self.tokens.shape
+        ancestors = torch.eye(nodes, dtype=torch.bool, device=self.tokens.device).repeat(rows, 1, 1)
+        batch = torch.arange(rows, device=self.tokens.device)
+        for node in range(1, nodes):  # parents come first, so their rows are already complete
+            ancestors[:, node] |= ancestors[batch, self.parents[:, node]]
+        return ancestors
+
+    def paths(self) -> torch.LongTensor:
+        """`(rows, nodes, max_depth)`: the drafts from the root down to each node, the node's own token last."""
+        rows, nodes = self.tokens.shape
+        paths = self.tokens.new_zeros(rows, nodes, max(int(self.depths.max()), 1))
+        batch = torch.arange(rows, device=self.tokens.device)
+        for node in range(1, nodes):
+            paths[:, node] = paths[batch, self.parents[:, node]]
+            depth = self.depths[:, node].clamp(min=1) - 1
+            paths[batch, node, depth] = self.tokens[:, node]
+        return paths
+
+
+def draft_chain(heads: MLPSpeculator, hidden, last_tokens, num_drafts, process, select) -> DraftTree:
+    """
+    Drafts up to `num_drafts[b]` tokens for row `b`, head after head. `process(scores, drafts)` applies the logits
+    processors to the scores that follow `drafts` and `select(scores)` picks a token, both exactly as for the
+    verifier, so that a sampled draft comes with the distribution it was really drawn from.
+    """
+    device = last_tokens.device  # the verifier's: processors and tokens live there
+    state = heads.input_state(hidden)
+    token = last_tokens
+    drafts, draft_logits = [], []
+    for head in range(int(num_drafts.max())):
+        state, logits = heads.step(head, state, token.to(state.device))
+        scores = process(logits.to(device=device, dtype=torch.float32), torch.stack(drafts, dim=1) if drafts else None)
+        token = select(scores)
+        drafts.append(token)
+        draft_logits.append(scores)
+    candidates = torch.stack(drafts, dim=1)[:, None] if drafts else last_tokens.new_zeros(len(last_tokens), 1, 0)
+    tree = tree_from_candidates(candidates, last_tokens, num_drafts)
+    tree.draft_logits = torch.stack(draft_logits, dim=1) if draft_logits else None
+    return tree
+
+
+def draft_tree(
+    heads: MLPSpeculator, hidden, last_tokens, num_drafts, top_k: list[int], n_candidates: int
+) -> DraftTree:
+    """
+    IBM's tree drafting: head `i` keeps its `top_k[i]` most likely tokens on every branch, the log-probabilities add
+    up along each path, and the `n_candidates` most likely full paths become the tree (shared prefixes merged).
+    """
+    rows = hidden.shape[0]
+    state = heads.input_state(hidden)[:, None]
+    token = last_tokens[:, None].to(state.device)
+    scores = torch.zeros(rows, 1, device=state.device)
+    paths = token.new_zeros(rows, 1, 0)
+    for head in range(int(num_drafts.max())):
+        state, logits = heads.step(head, state, token)
+        best = logits.float().log_softmax(dim=-1).topk(top_k[head], dim=-1)
+        scores = (scores[..., None] + best.values).flatten(1)
+        token = best.indices.flatten(1)
+        paths = torch.cat([paths.repeat_interleave(top_k[head], dim=1), token[..., None]], dim=-1)
+        state = state.repeat_interleave(top_k[head], dim=1)
+    chosen = scores.topk(min(n_candidates, scores.shape[1]), dim=-1).indices
+    candidates = paths.gather(1, chosen[..., None].expand(-1, -1, paths.shape[-1]))
+    return tree_from_candidates(candidates, last_tokens, num_drafts)
+
+
+def tree_from_candidates(candidates: torch.LongTensor, last_tokens, num_drafts) -> DraftTree:
+    """Merges each row's candidate suffixes `(rows, n, depth)`, cut to `num_drafts[b]` tokens, into one tree."""
+    rows = []
+    for candidates_row, root, limit in zip(candidates.tolist(), last_tokens.tolist(), num_drafts.tolist()):
+        index, tokens, parents, depths = {(): 0}, [root], [0], [0]
+        for candidate in candidates_row:
+            for depth in range(1, min(len(candidate), limit) + 1):
+                prefix = tuple(candidate[:depth])
+                if prefix not in index:
+                    index[prefix] = len(tokens)
+                    tokens.append(prefix[-1])
+                    parents.append(index[prefix[:-1]])
+                    depths.append(depth)
+        rows.append((tokens, parents, depths))
+    width = max(len(tokens) for tokens, _, _ in rows)
+
+    def padded(column: int, fill: int = 0) -> torch.Tensor:
+        values = [row[column] + [fill] * (width - len(row[column])) for row in rows]
+        return torch.tensor(values, dtype=torch.long, device=last_tokens.device)
+
+    valid = torch.tensor([[True] * len(t) + [False] * (width - len(t)) for t, _, _ in rows], device=last_tokens.device)
+    return DraftTree(tokens=padded(0), parents=padded(1), depths=padded(2), valid=valid)

@@ -1,0 +1,330 @@
+"""Speculative decoding for a batch of prompts, each row accepting its own number of drafts, and for draft trees.
+
+transformers' assisted decoding verifies one chain for one sequence. This loop is the decoding method that
+`generate(assistant_model=speculator)` runs instead (through its `custom_generate` slot) when the batch has more than
+one row or when tree candidates are asked for; `generate()` still prepares the inputs, cache, logits processors and
+stopping criteria.
+
+Design: one rectangular KV cache for the whole batch, realigned by the attention mask alone. Every round appends the
+same slots to every row: its last emitted token and its drafts. The verifier then switches off, in the 2D attention
+mask, the slots of the drafts each row rejected, and a row's positions count only the slots it kept. So every row
+attends to exactly its own tokens at their true positions, using nothing but the `attention_mask` and `position_ids`
+that every transformers decoder takes, and no cache tensor is ever moved. Slots that every row rejected are cropped
+off the cache, and rows that finish leave the batch. The price is that masked slots still take attention compute and
+memory until the end of the call. Models whose sliding window counts cache slots could see fewer real tokens than
+their window, so they are refused when the call could overflow it.
+
+Trees use the same slots: all candidates' nodes are verified in one forward with a 4D mask in which each node sees
+the cache and its own ancestors, at position `row position + depth`. Afterwards only the nodes on the longest
+accepted path stay unmasked. This needs a model that accepts a custom 4D attention mask, as transformers' own
+decoders do.
+
+Greedy rows are token-identical to plain greedy `generate()` on the same batch. Compared with a prompt run alone, the
+padding changes only the order of floating-point sums, as it does for plain batched `generate()`.
+"""
+
+import torch
+from transformers import (
+    DynamicCache,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .drafting import DraftTree, draft_chain, draft_tree
+from .metrics import SpeculationMetrics
+
+# Processors that read nothing but the scores run once on all rows; any other runs once per distinct row length.
+_SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+                EpsilonLogitsWarper, EtaLogitsWarper)  # fmt: skip
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def generate_speculatively(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    *,
+    speculator,
+    streamer=None,
+    n_candidates: int | None = None,
+    top_k_tokens_per_head: list[int] | None = None,
+    **model_kwargs,
+):
+    """
+    The decoding loop behind `generate(input_ids, attention_mask=..., assistant_model=speculator)` for a batch, and
+    behind `generate(..., assistant_model=speculator, n_candidates=..., top_k_tokens_per_head=...)` for trees (either
+    argument turns trees on; the other comes from the speculator's config). Returns what `generate()` returns.
+    """
+    heads, config = speculator.speculator, speculator.config
+    num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
+    tree = n_candidates is not None or top_k_tokens_per_head is not None
+    if tree:
+        top_k = list(top_k_tokens_per_head or config.top_k_tokens_per_head)
+        n_candidates = n_candidates or config.n_candidates
+        _check_tree(top_k, n_candidates, num_heads, generation_config)
+    attention_mask = model_kwargs.get("attention_mask")
+    cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes=num_heads * (n_candidates or 1))
+    requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name)]
+    if requested:
+        raise ValueError(
+            f"{', '.join(requested)} cannot be returned by batched or tree speculative decoding: rows advance by "
+            "different numbers of tokens per step. Generate one prompt at a time without n_candidates for them."
+        )
+    do_sample = generation_config.do_sample
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+
+    batch, prompt_length = input_ids.shape
+    pad = generation_config._pad_token_tensor
+    sequences = input_ids.new_full((batch, generation_config.max_length), 0 if pad is None else int(pad))
+    sequences[:, :prompt_length] = input_ids
+    lengths = torch.full((batch,), prompt_length, device=input_ids.device)
+    rows = torch.arange(batch, device=input_ids.device)  # the original row of each row still generating
+    metrics = [SpeculationMetrics() for _ in range(batch)]
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    def process(scores, extra=None, extra_lengths=None):
+        """The logits processors, each row seeing its own tokens followed by `extra[:, :extra_lengths]`."""
+        if not logits_processor:
+            return scores
+        ids, ends = sequences, lengths[rows]
+        if extra is not None and extra.shape[1]:
+            ids = torch.cat([sequences, sequences.new_zeros(batch, extra.shape[1])], dim=1)
+            where = ends[:, None] + torch.arange(extra.shape[1], device=ends.device)
+            ids[rows] = ids[rows].scatter(1, where, extra)
+            ends = ends + (extra.shape[1] if extra_lengths is None else extra_lengths)
+        for processor in logits_processor:
+            if isinstance(processor, _SCORES_ONLY):
+                scores = processor(ids[rows], scores)
+            else:
+                scores = _at_own_lengths(processor, ids, rows, ends, scores)
+        return scores
+
+    def select(scores):
+        if do_sample:
+            return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+        return scores.argmax(dim=-1)
+
+    def emit(tokens, counts):
+        """Appends up to `counts[r]` of `tokens[r]` to each row, stopping a row where the stopping criteria say."""
+        kept = torch.zeros_like(counts)
+        finished = torch.zeros_like(counts, dtype=torch.bool)
+        for column in range(tokens.shape[1]):
+            live = (column < counts) & ~finished
+            if not live.any():
+                break
+            live_rows = rows[live]
+            sequences[live_rows, lengths[live_rows]] = tokens[live, column]
+            lengths[live_rows] += 1
+            kept[live] += 1
+            stop = _at_own_lengths(
+                lambda ids, _: stopping_criteria(ids, None), sequences, live_rows, lengths[live_rows]
+            )
+            finished[live] = stop.bool()
+        if streamer is not None:
+            streamer.put(tokens[:, : int(kept[0])].cpu())
+        return kept, finished
+
+    # Prefill: the prompt emits the first token, and the hidden state that emitted it starts the first draft.
+    outputs = _forward(model, input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, logits_to_keep=1)
+    last_tokens = select(process(outputs.logits[:, -1].float()))
+    hidden = outputs.hidden_states[-1][:, -1]
+    next_position = mask.sum(-1)
+    _, finished = emit(last_tokens[:, None], torch.ones_like(last_tokens))
+
+    while True:
+        keep = ~finished
+        if not keep.all():
+            cache.batch_select_indices(keep.nonzero().squeeze(1))
+            rows, mask, hidden = rows[keep], mask[keep], hidden[keep]
+            last_tokens, next_position = last_tokens[keep], next_position[keep]
+        if not len(rows):
+            break
+
+        # A row's verifier forward adds one token of its own: never draft past max_length.
+        num_drafts = (generation_config.max_length - lengths[rows] - 1).clamp(min=0, max=num_heads)
+        spec_hidden = hidden.to(speculator.device, speculator.dtype)
+        if tree:
+            drafts = draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates)
+        else:
+            drafts = draft_chain(heads, spec_hidden, last_tokens, num_drafts, process, select)
+        drafts = _to_device(drafts, input_ids.device)
+
+        # Verify every row's drafts in one forward.
+        ancestors = drafts.ancestors()
+        if tree:
+            attention = _tree_attention_mask(mask, ancestors, model.dtype)
+        else:  # a chain is causal: the plain 2D mask, which every model takes
+            attention = torch.cat([mask, torch.ones_like(drafts.tokens)], dim=1)
+        positions = next_position[:, None] + drafts.depths
+        outputs = _forward(model, drafts.tokens, attention, positions, cache, logits_to_keep=drafts.num_nodes)
+        paths = drafts.paths()
+        scores = outputs.logits.float()
+        if logits_processor:
+            scores = torch.stack(
+                [process(scores[:, node], paths[:, node], drafts.depths[:, node]) for node in range(drafts.num_nodes)],
+                dim=1,
+            )
+        if do_sample:
+            best, next_tokens = _accept_by_rejection_sampling(drafts, scores, num_drafts)
+        else:
+            best, next_tokens = _accept_greedy(drafts, scores.argmax(dim=-1))
+
+        batch_rows = torch.arange(len(rows), device=rows.device)
+        accepted = drafts.depths[batch_rows, best]
+        new_tokens = torch.cat([paths[batch_rows, best], next_tokens[:, None]], dim=1)
+        new_tokens[batch_rows, accepted] = next_tokens
+        kept, finished = emit(new_tokens, accepted + 1)
+        for row, drafted, emitted in zip(rows.tolist(), num_drafts.tolist(), kept.tolist()):
+            metrics[row].record_step(drafted, emitted - 1)
+
+        # Keep the slots of the root and the accepted path; crop the slots that no row kept.
+        kept_slots = ancestors[batch_rows, best]
+        mask = torch.cat([mask, kept_slots.long()], dim=1)
+        unused = drafts.num_nodes - 1 - int(kept_slots.any(dim=0).nonzero().max())
+        if unused:
+            cache.crop(-unused)
+            mask = mask[:, :-unused]
+        hidden = outputs.hidden_states[-1][batch_rows, best]
+        last_tokens = next_tokens
+        next_position = next_position + accepted + 1
+
+    if streamer is not None:
+        streamer.end()
+    speculator.speculation_metrics_per_row = metrics
+    speculator.speculation_metrics = sum(metrics, SpeculationMetrics())
+    output = sequences[:, : int(lengths.max())]
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=output)
+    return output
+
+
+def _accept_greedy(drafts: DraftTree, targets: torch.LongTensor):
+    """The deepest node whose path the verifier's argmax confirms all the way (first such node on ties)."""
+    rows = torch.arange(drafts.tokens.shape[0], device=targets.device)
+    confirmed = drafts.valid & (drafts.tokens == targets.gather(1, drafts.parents))
+    confirmed[:, 0] = True
+    for node in range(1, drafts.num_nodes):  # a node counts only if its parent does
+        confirmed[:, node] &= confirmed[rows, drafts.parents[:, node]]
+    best = torch.where(confirmed, drafts.depths, -1).argmax(dim=-1)
+    return best, targets[rows, best]
+
+
+def _accept_by_rejection_sampling(drafts: DraftTree, scores: torch.FloatTensor, num_drafts: torch.LongTensor):
+    """
+    Speculative sampling (Leviathan et al., 2023) per row of a chain: draft `i` is kept with probability
+    `min(1, p_i / q_i)`; at the first rejection the token comes from `max(0, p - q)` renormalised, and after the last
+    draft from `p`. `q` is the processed distribution the draft was drawn from, which keeps each row exactly on `p`.
+    """
+    rows = torch.arange(drafts.tokens.shape[0], device=scores.device)
+    p = scores.softmax(dim=-1)
+    if drafts.draft_logits is None:
+        return torch.zeros_like(rows), torch.multinomial(p[:, 0], num_samples=1).squeeze(1)
+    q = drafts.draft_logits.softmax(dim=-1)
+    tokens = drafts.tokens[:, 1:]
+    p_draft = p[:, :-1].gather(-1, tokens[..., None]).squeeze(-1)
+    q_draft = q.gather(-1, tokens[..., None]).squeeze(-1)
+    kept = (torch.rand_like(p_draft) * q_draft <= p_draft) & drafts.valid[:, 1:]
+    accepted = kept.long().cumprod(dim=-1).sum(dim=-1)
+    p_next = p[rows, accepted]
+    rejected = accepted < num_drafts
+    q_next = torch.where(rejected[:, None], q[rows, accepted.clamp(max=q.shape[1] - 1)], 0.0)
+    residual = (p_next - q_next).clamp(min=0)
+    # p == q leaves nothing to resample, but then the draft is never rejected; guard the division anyway.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    return accepted, torch.multinomial(residual / residual.sum(-1, keepdim=True), num_samples=1).squeeze(1)
+
+
+def _at_own_lengths(fn, ids, rows, ends, values=None):
+    """
+    `fn(ids[:, :end], values)` for each row of `rows` at its own length `ends[i]`, called as plain `generate()` calls
+    logits processors and stopping criteria: on the whole batch, in its original order (some keep per-row state, such
+    as the repetition penalty's prompt padding), once per distinct length. `values` holds one entry per row of `rows`.
+    """
+    full = None if values is None else values.new_zeros((ids.shape[0], *values.shape[1:]))
+    if full is not None:
+        full[rows] = values
+    out = None
+    for end in ends.unique().tolist():
+        hit = ends == end
+        result = fn(ids[:, :end], None if full is None else full.clone())
+        if out is None:
+            out = result.new_zeros((len(rows), *result.shape[1:]))
+        out[hit] = result[rows[hit]]
+    return out
+
+
+def _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep):
+    kwargs = {"logits_to_keep": logits_to_keep} if model._supports_logits_to_keep() else {}
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                 use_cache=True, output_hidden_states=-1, **kwargs)  # fmt: skip
+
+
+def _tree_attention_mask(mask, ancestors, dtype):
+    """Additive 4D mask: each node sees the row's kept cache slots, itself and its ancestors."""
+    nodes = ancestors.shape[1]
+    allowed = torch.cat([mask.bool()[:, None].expand(-1, nodes, -1), ancestors], dim=-1)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _to_device(drafts: DraftTree, device) -> DraftTree:
+    return DraftTree(*(None if t is None else t.to(device) for t in (drafts.tokens, drafts.parents, drafts.depths,
+                                                                     drafts.valid, drafts.draft_logits)))  # fmt: skip
+
+
+def _check_tree(top_k: list[int], n_candidates: int, num_heads: int, generation_config) -> None:
+    if generation_config.do_sample:
+        raise ValueError(
+            "Tree candidates (n_candidates / top_k_tokens_per_head) are greedy only, as in IBM's reference: sampling "
+            "needs the distribution of one drafted chain. Use do_sample=False, or drop n_candidates and "
+            "top_k_tokens_per_head to sample with a chain."
+        )
+    if len(top_k) < num_heads or any(k < 1 for k in top_k):
+        raise ValueError(
+            f"top_k_tokens_per_head={top_k} needs one positive branching factor for each of the {num_heads} heads "
+            "that draft."
+        )
+    leaves = 1
+    for k in top_k[:num_heads]:
+        leaves *= k
+    if not 1 <= n_candidates <= leaves:
+        raise ValueError(
+            f"n_candidates={n_candidates} must be between 1 and the {leaves} paths of the top_k_tokens_per_head="
+            f"{top_k[:num_heads]} tree."
+        )
+
+
+def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes):
+    """The dynamic cache `generate()` prepared, after checking that the masked-slot design can use it."""
+    cache = model_kwargs.pop("cache", None)
+    for name in ("attention_mask", "position_ids", "use_cache", "logits_to_keep"):
+        model_kwargs.pop(name, None)
+    if model_kwargs:
+        raise ValueError(
+            f"Batched or tree speculative decoding cannot pass {sorted(model_kwargs)} to the model. Drop them, or "
+            "generate one prompt at a time without n_candidates."
+        )
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    if type(cache) is not DynamicCache:
+        raise ValueError(
+            f"Batched or tree speculative decoding needs a DynamicCache (it masks rejected drafts' cache slots), got "
+            f"{type(cache).__name__}. Drop cache_implementation / the cache argument."
+        )
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    worst_case = input_ids.shape[1] + (generation_config.max_length - input_ids.shape[1]) * (num_nodes + 1)
+    if any(cache.is_sliding) and window and worst_case > window:
+        raise ValueError(
+            f"This model attends over a sliding window of {window} cache slots, and rejected drafts occupy slots: "
+            f"this call could fill up to {worst_case} slots and silently see fewer real tokens than the model should. "
+            "Lower max_new_tokens, or generate one prompt at a time without n_candidates."
+        )
+    return cache

@@ -1,0 +1,127 @@
+"""Batches of ragged prompts: each row accepts its own drafts, stops on its own, and matches plain greedy generate()."""
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_speculator, make_verifier
+
+LENGTHS = [5, 12, 8, 3]
+
+
+def ragged_batch(lengths=LENGTHS, seed=0):
+    """Left-padded prompts of the given lengths and their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(1, VOCAB, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
+
+
+def greedy(model, input_ids, attention_mask, **kwargs):
+    return model.generate(input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_batched_greedy_equals_plain_batched_greedy(arch):
+    verifier, (input_ids, attention_mask) = make_verifier(arch), ragged_batch()
+    # Wrong drafts at row-dependent places: every row accepts its own number of drafts each step.
+    speculator = make_oracle(verifier, input_ids, 30, attention_mask=attention_mask,
+                             wrong=lambda row, position, head: (position + row + head) % 3 == 0)  # fmt: skip
+    plain = greedy(verifier, input_ids, attention_mask, max_new_tokens=30)
+    output = greedy(verifier, input_ids, attention_mask, max_new_tokens=30, assistant_model=speculator)
+    assert torch.equal(output, plain)
+    accepted = [m.num_accepted_tokens for m in speculator.speculation_metrics_per_row]
+    assert len(set(accepted)) > 1 and min(accepted) > 0
+
+
+def test_each_row_equals_its_prompt_alone():
+    """Padding only reorders floating-point sums; in fp32 on these models the tokens stay identical."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    output = greedy(verifier, input_ids, attention_mask, max_new_tokens=20, assistant_model=make_speculator())
+    for row, length in enumerate(LENGTHS):
+        alone = verifier.generate(input_ids[row : row + 1, -length:], max_new_tokens=20, do_sample=False)
+        assert torch.equal(output[row, input_ids.shape[1] :], alone[0, length:])
+
+
+@pytest.mark.parametrize("n_predict", [1, 3, 5])
+def test_every_row_drafts_from_its_own_last_emitted_position(n_predict):
+    """Per row, the counts and the states handed to the heads are exactly those of `expected_steps`."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    wrong = lambda row, position, head: (position * (row + 1) + head) % 4 == 1  # noqa: E731
+    speculator = make_oracle(verifier, input_ids, 25, n_predict=n_predict, attention_mask=attention_mask, wrong=wrong)
+    greedy(verifier, input_ids, attention_mask, max_new_tokens=25, assistant_model=speculator)
+
+    visits = speculator.speculator.visits
+    for row, metrics in enumerate(speculator.speculation_metrics_per_row):
+        steps = expected_steps(input_ids.shape[1], 25, n_predict, lambda p, h, row=row: wrong(row, p, h))
+        assert metrics.num_steps == len(steps)
+        assert metrics.num_draft_tokens == sum(d for _, d, _ in steps)
+        assert metrics.num_accepted_tokens == sum(a for _, _, a in steps)
+        # A row with no draft budget left still rides along while other rows draft: its state is looked at, unused.
+        seen = [p for r, p in visits if r == row]
+        assert seen == [p for p, _, _ in steps][: len(seen)]
+        assert len(seen) >= sum(1 for _, drafted, _ in steps if drafted)
+    total = speculator.speculation_metrics
+    assert total.num_accepted_tokens == sum(m.num_accepted_tokens for m in speculator.speculation_metrics_per_row)
+
+
+def test_rows_stop_at_their_own_eos():
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    plain = greedy(verifier, input_ids, attention_mask, max_new_tokens=24)
+    # An EOS id that rows reach at different steps, while some row never reaches it.
+    eos, first = next(
+        (eos, first)
+        for eos in range(1, VOCAB)
+        for first in [[row.index(eos) if eos in row else None for row in plain[:, input_ids.shape[1] :].tolist()]]
+        if None in first and len({f for f in first if f is not None}) > 1
+    )
+
+    speculator = make_oracle(verifier, input_ids, 24, attention_mask=attention_mask,
+                             wrong=lambda row, position, head: head == 2)  # fmt: skip
+    kwargs = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+    expected = greedy(verifier, input_ids, attention_mask, **kwargs)
+    output = greedy(verifier, input_ids, attention_mask, assistant_model=speculator, **kwargs)
+    assert torch.equal(output, expected)
+    for row, stop in enumerate(first):
+        if stop is not None:  # nothing but padding after the row's EOS
+            assert output[row, input_ids.shape[1] + stop] == eos
+            assert (output[row, input_ids.shape[1] + stop + 1 :] == 0).all()
+
+
+def test_return_dict_and_num_return_sequences():
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch([4, 7])
+    speculator = make_speculator()
+    output = greedy(verifier, input_ids, attention_mask, max_new_tokens=6, assistant_model=speculator,
+                    return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(output.sequences, greedy(verifier, input_ids, attention_mask, max_new_tokens=6))
+
+
+def test_batch_with_processors_matches_plain():
+    """Processors that read each row's tokens (repetition penalty, min_new_tokens) see each row as plain does."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    kwargs = dict(max_new_tokens=16, repetition_penalty=1.5, min_new_tokens=5, eos_token_id=7, pad_token_id=0)
+    speculator = make_oracle(verifier, input_ids, 16, attention_mask=attention_mask)
+    expected = greedy(verifier, input_ids, attention_mask, **kwargs)
+    assert torch.equal(greedy(verifier, input_ids, attention_mask, assistant_model=speculator, **kwargs), expected)
+
+
+def test_unsupported_batched_requests_are_refused():
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch([4, 7])
+    speculator = make_speculator()
+    with pytest.raises(ValueError, match="output_scores cannot be returned"):
+        greedy(verifier, input_ids, attention_mask, max_new_tokens=4, assistant_model=speculator,
+               return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    with pytest.raises(ValueError, match="needs a DynamicCache"):
+        greedy(verifier, input_ids, attention_mask, max_new_tokens=4, assistant_model=speculator,
+               cache_implementation="static")  # fmt: skip
+
+
+def test_sliding_window_overflow_is_refused():
+    verifier = ARCHITECTURES["mistral"]()
+    verifier.config.sliding_window = 16
+    verifier.eval()
+    input_ids, attention_mask = ragged_batch([4, 7])
+    with pytest.raises(ValueError, match="sliding window of 16"):
+        greedy(verifier, input_ids, attention_mask, max_new_tokens=8, assistant_model=make_speculator())
