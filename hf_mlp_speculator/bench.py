@@ -1,8 +1,12 @@
 """`hf-mlp-speculator bench`: plain, prompt-lookup and MLPSpeculator decoding compared in one run on the same prompts.
 
-Modes: plain greedy, prompt-lookup greedy, the speculator drafting with 1..n_predict heads, and plain sampling against
-speculative sampling. The modes take turns prompt by prompt, so that a slow spell of a shared machine hits all alike.
-The results go to `bench.json`, `bench.md` and, with matplotlib installed, `bench.png`.
+Modes: plain greedy, prompt-lookup greedy, the speculator drafting a chain with 1..n_predict heads or a tree of
+candidates (its config's `top_k_tokens_per_head` and `n_candidates`), and plain sampling against speculative sampling.
+The modes take turns prompt by prompt, so that a slow spell of a shared machine hits all alike. The results go to
+`bench.json`, `bench.md` and, with matplotlib installed, `bench.png`.
+
+`--batch-sizes 1,4,16,32` compares instead plain and speculative greedy `generate()` on left-padded batches of that
+many prompts: throughput and per-user tokens/s (each row's tokens over the call's duration), as ratios.
 
 `--verify-cost` measures instead what decides whether speculation can win: the verifier's forward over `k + 1` new
 tokens relative to one new token on a filled cache, and each draft head's cost relative to a plain step.
@@ -55,6 +59,12 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=20, help="Timed repeats per --verify-cost measurement (default: %(default)s)."
     )
+    parser.add_argument(
+        "--batch-sizes",
+        type=lambda text: [int(size) for size in text.split(",")],
+        help="Only compare plain and speculative greedy decoding on batches of these sizes, e.g. 1,4,16,32 "
+        "(writes bench_batch.json and bench_batch.md).",
+    )
 
 
 @dataclass
@@ -80,6 +90,11 @@ def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
             )
             for k in range(1, n_predict + 1)
         ],
+        Mode(
+            f"speculator tree {speculator.config.top_k_tokens_per_head} n={speculator.config.n_candidates}",
+            {**greedy, "assistant_model": speculator, "n_candidates": speculator.config.n_candidates},
+            "plain greedy",
+        ),
         Mode("plain sampling", sampling, "plain sampling"),
         Mode(
             f"speculative sampling k={n_predict}",
@@ -262,6 +277,75 @@ def verify_cost_report(cost: dict) -> str:
     return "\n".join(lines)
 
 
+def left_padded(prompts: list[torch.LongTensor], pad_token_id: int):
+    """One batch of `[1, length]` prompts, padded on the left as decoder-only batching needs, and its mask."""
+    width = max(prompt.shape[1] for prompt in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - prompt.shape[1] :] = prompt[0]
+        attention_mask[row, width - prompt.shape[1] :] = 1
+    return input_ids, attention_mask
+
+
+def new_tokens_per_row(sequences: torch.LongTensor, prompt_width: int, eos_token_ids: list[int]) -> list[int]:
+    """How many tokens each row generated, up to and including its first EOS (the rest is padding)."""
+    counts = []
+    for row in sequences[:, prompt_width:].tolist():
+        ends = [i for i, token in enumerate(row) if token in eos_token_ids]
+        counts.append(ends[0] + 1 if ends else len(row))
+    return counts
+
+
+@torch.no_grad()
+def run_batch_sizes(model, speculator, prompts, batch_sizes: list[int], max_new_tokens: int, pad_token_id: int):
+    """Plain then speculative greedy `generate()` on a batch of the first `size` prompts, for each size."""
+    from tqdm.auto import tqdm
+
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    rows = []
+    for size in tqdm(batch_sizes, desc="Batch sizes", unit="batch"):
+        input_ids, attention_mask = left_padded([prompts[i % len(prompts)] for i in range(size)], pad_token_id)
+        kwargs = {"attention_mask": attention_mask, "do_sample": False, "pad_token_id": pad_token_id}
+        seconds, outputs = {}, {}
+        for name, extra in (("plain", {}), ("speculative", {"assistant_model": speculator})):
+            model.generate(input_ids, max_new_tokens=4, **kwargs, **extra)  # warm-up at this shape
+            start = time.perf_counter()
+            outputs[name] = model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs, **extra)
+            seconds[name] = time.perf_counter() - start
+        metrics = speculator.speculation_metrics
+        tokens = new_tokens_per_row(outputs["plain"], input_ids.shape[1], eos)
+        row = {"batch_size": size, "tokens": sum(tokens)}
+        for name in seconds:
+            row[f"{name}_tokens_per_second"] = sum(tokens) / seconds[name]
+            row[f"{name}_per_user_tokens_per_second"] = statistics.mean(t / seconds[name] for t in tokens)
+        row.update({
+            "speedup": seconds["plain"] / seconds["speculative"],
+            "tokens_per_step": metrics.mean_tokens_per_step,
+            "acceptance_rate": metrics.draft_acceptance_rate,
+            "identical": torch.equal(outputs["plain"], outputs["speculative"]),
+        })  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def batch_markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| batch | plain tok/s | speculative tok/s | speedup | plain per-user tok/s | speculative per-user tok/s "
+        "| tokens/step | acceptance | identical |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | {r['speculative_tokens_per_second']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['plain_per_user_tokens_per_second']:.2f} | "
+            f"{r['speculative_per_user_tokens_per_second']:.2f} | {r['tokens_per_step']:.2f} | "
+            f"{r['acceptance_rate']:.2f} | {'yes' if r['identical'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def environment(args, model, speculator) -> dict:
     return {
         "model": str(args.model or model.name_or_path),
@@ -287,6 +371,20 @@ def run(args) -> int:
         (output_dir / "verify_cost.json").write_text(
             json.dumps({"environment": environment(args, model, speculator), "verify_cost": cost}, indent=2)
         )
+        return 0
+
+    if args.batch_sizes:
+        prompts = encode_prompts(tokenizer, evaluation_prompts())
+        # Padding is masked out, so any id will do where the tokenizer names none.
+        pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+        rows = run_batch_sizes(model, speculator, prompts, args.batch_sizes, args.max_new_tokens, pad)
+        table = batch_markdown_table(rows)
+        print("\n" + table)
+        (output_dir / "bench_batch.json").write_text(
+            json.dumps({"environment": environment(args, model, speculator), "results": rows}, indent=2)
+        )
+        (output_dir / "bench_batch.md").write_text(table)
+        print(f"Wrote bench_batch.json, bench_batch.md to {output_dir}")
         return 0
 
     prompts = encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])

@@ -6,11 +6,19 @@ import math
 import re
 
 import pytest
+import torch
 from conftest import make_oracle, make_prompt, make_speculator, make_verifier
 from tiny_tokenizer import char_tokenizer
 
 from hf_mlp_speculator import SpeculationMetrics, cli
-from hf_mlp_speculator.bench import Mode, markdown_table, measure_verify_cost, summarize
+from hf_mlp_speculator.bench import (
+    Mode,
+    left_padded,
+    markdown_table,
+    measure_verify_cost,
+    new_tokens_per_row,
+    summarize,
+)
 from hf_mlp_speculator.timing import GenerationRun, load_pair, token_latencies
 
 
@@ -107,7 +115,8 @@ def test_bench_end_to_end(tiny_pair, tmp_path):
     results = json.loads((tmp_path / "bench.json").read_text())["results"]
     rows = {row["mode"]: row for row in results}
     assert list(rows) == ["plain greedy", "prompt lookup", "speculator k=1", "speculator k=2", "speculator k=3",
-                          "plain sampling", "speculative sampling k=3"]  # fmt: skip
+                          "speculator tree [2, 2, 2] n=5", "plain sampling", "speculative sampling k=3"]  # fmt: skip
+    assert rows["speculator tree [2, 2, 2] n=5"]["identical_to_baseline"] is True
     assert rows["plain greedy"]["speedup"] == 1.0 and rows["plain greedy"]["tokens_per_step"] == 1.0
     for k in (1, 2, 3):
         row = rows[f"speculator k={k}"]
@@ -125,6 +134,29 @@ def test_bench_end_to_end(tiny_pair, tmp_path):
         assert not (tmp_path / "bench.png").exists()
     else:
         assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_left_padding_and_token_counts():
+    input_ids, attention_mask = left_padded([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad_token_id=2)
+    assert input_ids.tolist() == [[5, 6, 7], [2, 2, 8]] and attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    sequences = torch.tensor([[5, 6, 7, 9, 1, 2, 2], [2, 2, 8, 4, 4, 4, 4]])
+    assert new_tokens_per_row(sequences, 3, eos_token_ids=[1]) == [2, 4]  # up to and including the first EOS
+
+
+def test_batch_bench_end_to_end(tiny_pair, tmp_path):
+    model, speculator = tiny_pair
+    argv = ["bench", "--model", model, "--speculator", speculator, "--batch-sizes", "1,3", "--max-new-tokens", "6",
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = json.loads((tmp_path / "bench_batch.json").read_text())["results"]
+    assert [row["batch_size"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["identical"] is True and row["tokens"] == 6 * row["batch_size"]
+        assert row["speedup"] == pytest.approx(row["speculative_tokens_per_second"] / row["plain_tokens_per_second"])
+        assert row["plain_per_user_tokens_per_second"] == pytest.approx(
+            row["plain_tokens_per_second"] / row["batch_size"]
+        )
+    assert "| 3 |" in (tmp_path / "bench_batch.md").read_text()
 
 
 def test_verify_cost_ratios(tiny_pair, tmp_path):
