@@ -36,6 +36,7 @@ from transformers.utils import logging
 from .configuration_mlp_speculator import MLPSpeculatorConfig
 from .data import PackedTextStream
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from .packed_linear import pack_linear_weights
 
 logger = logging.get_logger(__name__)
 
@@ -178,16 +179,19 @@ def base_hidden_states(base, input_ids: torch.LongTensor) -> torch.Tensor:
     return hidden
 
 
-def speculator_batch(base, tokens: torch.LongTensor, n_predict: int, start: int = 0, eos_token_id=None):
+def speculator_batch(base, tokens: torch.LongTensor, n_predict: int, start: int = 0, eos_token_id=None, hidden=None):
     """
     Hidden states, head inputs and per-head labels for teacher forcing along `tokens`, from position `start` on.
 
     The state at position t comes with the tokens t+1, t+2, ... and head i learns token t+2+i. Tokens after the first
     `eos_token_id` at or after `start + 1` (the end of a generated continuation, then padding) are not learned.
+    `hidden`, the base model's states along `tokens` when they are already known, saves running it again.
     """
     length = tokens.shape[1] - n_predict - 1
-    with torch.no_grad():
-        hidden = base_hidden_states(base, tokens[:, :length])[:, start:]
+    if hidden is None:
+        with torch.no_grad():
+            hidden = base_hidden_states(base, tokens[:, :length])
+    hidden = hidden[:, start:length]
     labels = torch.stack([tokens[:, start + 2 + i : length + 2 + i] for i in range(n_predict)])
     if eos_token_id is not None:
         ended = torch.isin(tokens, torch.as_tensor(eos_token_id, device=tokens.device))
@@ -199,9 +203,12 @@ def speculator_batch(base, tokens: torch.LongTensor, n_predict: int, start: int 
 
 
 def generate_continuations(base, prompts: torch.LongTensor, max_new_tokens: int, temperature: float, top_k: int):
-    """The base model's continuations of `prompts` (sampled, or greedy at temperature 0), prompts included."""
+    """
+    The base model's continuations of `prompts` (sampled, or greedy at temperature 0), prompts included, and the
+    hidden states it computed along them on the way (all positions but the last), as in the reference's stage 2.
+    """
     sample = temperature > 0
-    return base.generate(
+    output = base.generate(
         prompts,
         attention_mask=torch.ones_like(prompts),
         max_new_tokens=max_new_tokens,
@@ -210,7 +217,10 @@ def generate_continuations(base, prompts: torch.LongTensor, max_new_tokens: int,
         top_k=top_k if sample else None,
         top_p=None,
         pad_token_id=base.generation_config.pad_token_id or 0,
+        return_dict_in_generate=True,
+        output_hidden_states=True,
     )
+    return output.sequences, torch.cat([layers[-1] for layers in output.hidden_states], dim=1)
 
 
 def head_statistics(logits: torch.Tensor, labels: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,6 +273,9 @@ def load_base(args, device):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.base_model)
     base = AutoModelForCausalLM.from_pretrained(args.base_model, dtype=args.dtype)
     base.requires_grad_(False).eval().to(device)
+    if base.device.type == "cpu" and base.dtype == torch.float32:
+        # The base only runs forward: oneDNN-packed weights make its batched decoding in stage 2 ~1.5x faster.
+        pack_linear_weights(base)
     text_config = base.config.get_text_config()
     if getattr(text_config, "hidden_size", None) is None:
         raise ValueError(
@@ -418,9 +431,9 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     for prompts in data.eval_sequences(args.eval_sequences).split(args.batch_size):
         prompts = prompts[:, : args.stage2_prompt_length].to(accelerator.device)
         with torch.no_grad():
-            sequences = generate_continuations(base, prompts, args.eval_new_tokens, temperature=0, top_k=0)
+            sequences, hidden = generate_continuations(base, prompts, args.eval_new_tokens, temperature=0, top_k=0)
         start = prompts.shape[1] - 1
-        eval_batches.append(speculator_batch(base, sequences, args.n_predict, start, eos_token_id))
+        eval_batches.append(speculator_batch(base, sequences, args.n_predict, start, eos_token_id, hidden))
 
     state = TrainerState()
     checkpoint = latest_checkpoint(output_dir) if args.resume else None
@@ -460,11 +473,11 @@ def train(args: SpeculatorTrainingArguments) -> Path:
             else:
                 prompts = batch[:, : args.stage2_prompt_length]
                 with torch.no_grad():
-                    batch = generate_continuations(
+                    batch, hidden = generate_continuations(
                         base, prompts, args.stage2_new_tokens, args.stage2_temperature, args.stage2_top_k
                     )
                 hidden, input_ids, labels = speculator_batch(
-                    base, batch, args.n_predict, prompts.shape[1] - 1, eos_token_id
+                    base, batch, args.n_predict, prompts.shape[1] - 1, eos_token_id, hidden
                 )
             tokens += batch.numel()
             last = micro_step == args.gradient_accumulation_steps - 1
