@@ -168,6 +168,24 @@ class PackedTextStream:
             )
         return torch.stack(sequences)
 
+    def prompts(self, length: int, held_out: bool = False, skip: int = 0) -> Iterator[list[int]]:
+        """
+        Each document as one prompt of at most `length` tokens, its last ones (a chat turn rendered up to the
+        assistant's answer ends there). Training prompts cycle epoch after epoch, starting after the first `skip`;
+        held-out prompts are read once.
+        """
+        while True:
+            produced = 0
+            for document in self._documents(held_out):
+                produced += 1
+                if skip:
+                    skip -= 1
+                    continue
+                yield self.tokenizer(document)["input_ids"][-length:]
+            if held_out or produced == 0:
+                return
+            skip %= produced
+
     def train_sequences(self, skip: int = 0) -> Iterator[torch.LongTensor]:
         """Training sequences, epoch after epoch, starting after the first `skip`."""
         epoch = 0

@@ -47,9 +47,10 @@ TRAIN_PROMPTS, EVAL_PROMPTS = PROMPTS_DIR / "train_prompts.txt", PROMPTS_DIR / "
 # The default speculator's shape and training settings, sized for about half an hour on 2 CPU cores. fms-fsdp's
 # tie_weights and scale_input keep the parameter count down for little data; a 256-wide state makes each 49152-token
 # head ~2x cheaper to train and to draft with than the 576-wide default. Stage 2 distils the base model's greedy
-# continuations, the decoding mode the demo and benchmark time; in a run this short it is where acceptance comes from,
-# so it gets most of the steps and a learning rate well above the reference's 0.1x of the peak (a 40-step probe put
-# 5e-3 ahead of 1e-3 in held-out tokens per step). Changing any of them invalidates the cached speculator.
+# continuations of the chat prompts, the decoding mode the demo and benchmark time; in a run this short it is where
+# acceptance comes from, so it gets most of the steps and a learning rate well above the reference's 0.1x of the peak
+# (a 40-step probe put 5e-3 ahead of 1e-3 in held-out tokens per step). Changing any of them invalidates the cached
+# speculator.
 SPECULATOR_SHAPE = {"n_predict": 3, "inner_dim": 256, "tie_weights": True, "scale_input": True}
 SPECULATOR_TRAINING = {
     **SPECULATOR_SHAPE,
@@ -187,8 +188,8 @@ def evaluation_prompts() -> list[str]:
     return read_prompts(EVAL_PROMPTS)
 
 
-def write_training_data(tokenizer, output_dir: Path) -> list[Path]:
-    """Writes the default speculator's training data into `output_dir` and returns the files."""
+def write_training_data(tokenizer, output_dir: Path) -> tuple[Path, Path]:
+    """Writes the default speculator's training data into `output_dir`: (chat prompts, stage-1 text)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     # Rendered up to the assistant's turn, so that stage 2 samples the base model's own answers to them.
     chats = output_dir / "chat_prompts.jsonl"
@@ -202,7 +203,7 @@ def write_training_data(tokenizer, output_dir: Path) -> list[Path]:
     docs.write_text(
         "\n\n".join(text.strip() for _, text in sorted(pydoc_topics.topics.items())) + "\n", encoding="utf-8"
     )
-    return [chats, docs]
+    return chats, docs
 
 
 def _digest(*paths: Path) -> str:
@@ -239,14 +240,14 @@ def default_speculator(base_model: Path | None = None) -> Path:
             ) from error
         from transformers import AutoTokenizer
 
-        data = write_training_data(AutoTokenizer.from_pretrained(base_model), run_dir / "data")
+        chats, docs = write_training_data(AutoTokenizer.from_pretrained(base_model), run_dir / "data")
         output_dir = run_dir / "run"
         resume = any(output_dir.glob("checkpoint-*"))
         steps = f"stage 1: {SPECULATOR_TRAINING['stage1_steps']} steps, stage 2: {SPECULATOR_TRAINING['stage2_steps']}"
         with timed_step(f"{'Resuming' if resume else 'Training'} the default speculator ({steps} steps)"):
             args = SpeculatorTrainingArguments(
-                base_model=str(base_model), data=[str(p) for p in data], output_dir=str(output_dir),
-                resume=resume, **SPECULATOR_TRAINING,
+                base_model=str(base_model), data=[str(docs)], stage2_data=[str(chats)],
+                output_dir=str(output_dir), resume=resume, **SPECULATOR_TRAINING,
             )  # fmt: skip
             trained = Path(train(args))
         # Only the model goes into the cache; its checkpoints and data stay behind until the build succeeded.

@@ -14,6 +14,7 @@ accumulation. `batch_size` is per process and per micro-step: one optimizer step
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -88,7 +89,14 @@ class SpeculatorTrainingArguments:
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm; 0: off."})
     # Stage 2.
-    stage2_prompt_length: int = field(default=64, metadata={"help": "Prompt tokens taken from the data."})
+    stage2_data: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts for stage 2 and the held-out evaluation, one per document (e.g. chat turns rendered up "
+            "to the answer); default: prompts cut from --data."
+        },
+    )
+    stage2_prompt_length: int = field(default=64, metadata={"help": "Prompt tokens (the last ones of a document)."})
     stage2_new_tokens: int = field(default=256, metadata={"help": "Tokens the base model samples per prompt."})
     stage2_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; 0: greedy."})
     stage2_top_k: int = field(default=10, metadata={"help": "Top-k of the base model's sampling; 0: off."})
@@ -111,6 +119,10 @@ class SpeculatorTrainingArguments:
         if isinstance(self.data, (str, os.PathLike)):
             self.data = [self.data]
         self.data = [str(d) for d in self.data]
+        if isinstance(self.stage2_data, (str, os.PathLike)):
+            self.stage2_data = [self.stage2_data]
+        if self.stage2_data is not None:
+            self.stage2_data = [str(d) for d in self.stage2_data]
         if not self.data:
             raise ValueError("No training data given: pass at least one file, folder or dataset name (--data).")
         if self.seq_length < self.n_predict + 2:
@@ -202,7 +214,17 @@ def speculator_batch(base, tokens: torch.LongTensor, n_predict: int, start: int 
     return hidden, tokens[:, start + 1 :], labels
 
 
-def generate_continuations(base, prompts: torch.LongTensor, max_new_tokens: int, temperature: float, top_k: int):
+def left_padded(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Prompts of different lengths as one left-padded batch, and its attention mask."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def generate_continuations(
+    base, prompts: torch.LongTensor, max_new_tokens: int, temperature: float, top_k: int, attention_mask=None
+):
     """
     The base model's continuations of `prompts` (sampled, or greedy at temperature 0), prompts included, and the
     hidden states it computed along them on the way (all positions but the last), as in the reference's stage 2.
@@ -210,7 +232,7 @@ def generate_continuations(base, prompts: torch.LongTensor, max_new_tokens: int,
     sample = temperature > 0
     output = base.generate(
         prompts,
-        attention_mask=torch.ones_like(prompts),
+        attention_mask=torch.ones_like(prompts) if attention_mask is None else attention_mask,
         max_new_tokens=max_new_tokens,
         do_sample=sample,
         temperature=temperature if sample else None,
@@ -427,11 +449,35 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     # The held-out set: the base model's greedy continuations of held-out prompts, and its hidden states along them,
     # computed once since the base model never changes.
     data = PackedTextStream(args.data, tokenizer, args.seq_length, args.eval_fraction, args.text_field)
+    prompt_data = args.stage2_data and PackedTextStream(
+        args.stage2_data, tokenizer, args.seq_length, args.eval_fraction, args.text_field
+    )
+    pad_token_id = base.generation_config.pad_token_id or 0
+
+    def stage2_inputs(prompts):
+        """(ids, attention mask) of a batch of prompts: token lists from `prompt_data`, or packed sequences."""
+        if prompt_data:
+            return left_padded(prompts, pad_token_id, accelerator.device)
+        ids = prompts[:, : args.stage2_prompt_length].to(accelerator.device)
+        return ids, torch.ones_like(ids)
+
+    if prompt_data:
+        held_out = list(itertools.islice(prompt_data.prompts(args.stage2_prompt_length, held_out=True), args.eval_sequences))
+        if not held_out:
+            raise ValueError(
+                f"No held-out prompt in {', '.join(args.stage2_data)} (eval_fraction={args.eval_fraction}). Give more "
+                "prompts or raise eval_fraction."
+            )
+        held_out = [held_out[i : i + args.batch_size] for i in range(0, len(held_out), args.batch_size)]
+    else:
+        held_out = data.eval_sequences(args.eval_sequences).split(args.batch_size)
     eval_batches = []
-    for prompts in data.eval_sequences(args.eval_sequences).split(args.batch_size):
-        prompts = prompts[:, : args.stage2_prompt_length].to(accelerator.device)
+    for prompts in held_out:
+        prompts, mask = stage2_inputs(prompts)
         with torch.no_grad():
-            sequences, hidden = generate_continuations(base, prompts, args.eval_new_tokens, temperature=0, top_k=0)
+            sequences, hidden = generate_continuations(
+                base, prompts, args.eval_new_tokens, temperature=0, top_k=0, attention_mask=mask
+            )
         start = prompts.shape[1] - 1
         eval_batches.append(speculator_batch(base, sequences, args.n_predict, start, eos_token_id, hidden))
 
@@ -457,6 +503,10 @@ def train(args: SpeculatorTrainingArguments) -> Path:
 
     world, rank = accelerator.num_processes, accelerator.process_index
     sequences = data.train_sequences(skip=state.sequences_seen)
+    # Stage 2 reads one prompt per row and step, so its position follows from the step.
+    rows_per_step = args.batch_size * world * args.gradient_accumulation_steps
+    stage2_done = max(state.step - args.stage1_steps, 0) * rows_per_step
+    stage2_prompts = prompt_data and prompt_data.prompts(args.stage2_prompt_length, skip=stage2_done)
     progress = tqdm(total=args.total_steps, initial=state.step, disable=not accelerator.is_local_main_process)
     while state.step < args.total_steps:
         stage = 1 if state.step < args.stage1_steps else 2
@@ -466,15 +516,20 @@ def train(args: SpeculatorTrainingArguments) -> Path:
         started, tokens, stats = time.perf_counter(), 0, 0
         for micro_step in range(args.gradient_accumulation_steps):
             # Every process reads the same global micro-batch and keeps its own rows of it.
-            rows = torch.stack([next(sequences) for _ in range(args.batch_size * world)])
-            batch = rows[rank * args.batch_size : (rank + 1) * args.batch_size].to(accelerator.device)
+            source = stage2_prompts if stage == 2 and prompt_data else sequences
+            rows = [next(source) for _ in range(args.batch_size * world)]
+            rows = rows[rank * args.batch_size : (rank + 1) * args.batch_size]
+            if source is sequences:
+                state.sequences_seen += args.batch_size * world
+                rows = torch.stack(rows)
             if stage == 1:
+                batch = rows.to(accelerator.device)
                 hidden, input_ids, labels = speculator_batch(base, batch, args.n_predict)
             else:
-                prompts = batch[:, : args.stage2_prompt_length]
+                prompts, mask = stage2_inputs(rows)
                 with torch.no_grad():
                     batch, hidden = generate_continuations(
-                        base, prompts, args.stage2_new_tokens, args.stage2_temperature, args.stage2_top_k
+                        base, prompts, args.stage2_new_tokens, args.stage2_temperature, args.stage2_top_k, mask
                     )
                 hidden, input_ids, labels = speculator_batch(
                     base, batch, args.n_predict, prompts.shape[1] - 1, eos_token_id, hidden
@@ -491,7 +546,6 @@ def train(args: SpeculatorTrainingArguments) -> Path:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        state.sequences_seen += args.batch_size * world * args.gradient_accumulation_steps
 
         # Summed counts over processes give the metrics of the global batch, as one process would compute them.
         stats = accelerator.reduce(stats, "sum")

@@ -150,9 +150,10 @@ def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path,
 
     def train(args):
         seen.append(args)
-        data = "".join(Path(path).read_text() for path in args.data)
+        data = "".join(Path(path).read_text() for path in args.data + args.stage2_data)
         assert not any(prompt in data for prompt in default_models.evaluation_prompts())
-        assert "<user>Hi! How are you today?<assistant>" in data  # rendered with the base model's chat template
+        # Stage 2 continues the chat prompts, rendered with the base model's chat template up to the answer.
+        assert "<user>Hi! How are you today?<assistant>" in Path(args.stage2_data[0]).read_text()
         final = Path(args.output_dir) / "final"
         final.mkdir(parents=True)
         (final / "config.json").write_text("{}")

@@ -168,19 +168,30 @@ def test_toy_language_both_stages_and_the_published_output(toy, tmp_path):
     assert namespace["speculator"].speculation_metrics.num_steps > 0
 
 
-def test_resume_after_sigkill_is_exact(toy, tmp_path):
+@pytest.fixture(scope="module")
+def toy_prompts(toy):
+    """Stage-2 prompts of different lengths, one per record."""
+    rng = random.Random(1)
+    path = toy / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"text": toy_document(rng)[: rng.randint(3, 12)]}) + "\n" for _ in range(80)))
+    return path
+
+
+@pytest.mark.parametrize("separate_prompts", [False, True], ids=["prompts-from-data", "stage2-data"])
+def test_resume_after_sigkill_is_exact(toy, toy_prompts, tmp_path, separate_prompts):
     """
     The CLI killed in the middle of writing a checkpoint leaves the previous one intact; resumed from it, the run ends
     with the same weights, bit for bit, and the same loss trajectory as one unbroken run.
     """
     # Tied heads too: a tied checkpoint stores only the shared tensors, and resuming must restore them all.
-    args = toy_args(toy, tmp_path / "killed", save_every=3, tie_weights=True)
+    extra = {"stage2_data": [str(toy_prompts)]} if separate_prompts else {}
+    args = toy_args(toy, tmp_path / "killed", save_every=3, tie_weights=True, **extra)
     killed = run_cli(args, env={KILL_ENV: "save:6"})  # in stage 2, so the sampling RNG must be restored too
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert latest_checkpoint(args.output_dir).name == "checkpoint-3"
     assert (tmp_path / "killed" / ".tmp-checkpoint-6" / "model.safetensors").is_file()  # incomplete, and ignored
     train(dataclasses.replace(args, resume=True))
-    train(toy_args(toy, tmp_path / "unbroken", save_every=3, tie_weights=True))
+    train(toy_args(toy, tmp_path / "unbroken", save_every=3, tie_weights=True, **extra))
 
     weights, expected = (
         load_file(tmp_path / "killed" / "model.safetensors"),

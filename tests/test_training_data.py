@@ -101,3 +101,17 @@ def test_empty_or_too_short_data_says_what_to_do(tmp_path, tokenizer):
         next(stream.train_sequences())
     with pytest.raises(ValueError, match=r"held-out split \(eval_fraction=0.0\) holds no complete sequence"):
         stream.eval_sequences(4)
+
+
+def test_prompts_are_whole_documents_ending_where_they_end(tmp_path):
+    tokenizer = char_tokenizer()
+    path = tmp_path / "prompts.jsonl"
+    texts = [f"prompt {i} " + "x" * i for i in range(40)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    stream = PackedTextStream([str(path)], tokenizer, seq_length=8, eval_fraction=0.2)
+    train = [t for t in texts if not is_held_out(t, 0.2)]
+    held_out = [t for t in texts if is_held_out(t, 0.2)]
+    assert held_out and list(stream.prompts(10, held_out=True)) == [tokenizer(t)["input_ids"][-10:] for t in held_out]
+    cycled = list(itertools.islice(stream.prompts(10), 2 * len(train) + 3))
+    assert cycled == [tokenizer(t)["input_ids"][-10:] for t in (train * 3)[: len(cycled)]]  # epoch after epoch
+    assert list(itertools.islice(stream.prompts(10, skip=len(train) + 2), 4)) == cycled[len(train) + 2 : len(train) + 6]
