@@ -9,9 +9,10 @@ Design: one rectangular KV cache for the whole batch, realigned by the attention
 same slots to every row: its last emitted token and its drafts. The verifier then switches off, in the 2D attention
 mask, the slots of the drafts each row rejected, and a row's positions count only the slots it kept. So every row
 attends to exactly its own tokens at their true positions, using nothing but the `attention_mask` and `position_ids`
-that every transformers decoder takes, and no cache tensor is ever moved. Slots that every row rejected are cropped
-off the cache, and rows that finish leave the batch. The price is that masked slots still take attention compute and
-memory until the end of the call. Models whose sliding window counts cache slots could see fewer real tokens than
+that every transformers decoder takes. (Realigning each row's cache instead would mean shifting the tensors of every
+cache layer, whose layouts differ between models.) Slots that every row rejected are cropped off the cache, and rows
+that finish leave the batch. The price is that masked slots still take attention compute and memory until the end of
+the call. Models whose sliding window counts cache slots could see fewer real tokens than
 their window, so they are refused when the call could overflow it.
 
 Trees use the same slots: all candidates' nodes are verified in one forward with a 4D mask in which each node sees
