@@ -24,9 +24,9 @@ import torch
 import transformers
 from transformers.utils import logging
 
+from .data import left_padded
 from .default_models import evaluation_prompts
 from .timing import GenerationRun, add_model_arguments, encode_prompts, load_pair
-
 
 logger = logging.get_logger(__name__)
 
@@ -277,17 +277,6 @@ def verify_cost_report(cost: dict) -> str:
     return "\n".join(lines)
 
 
-def left_padded(prompts: list[torch.LongTensor], pad_token_id: int):
-    """One batch of `[1, length]` prompts, padded on the left as decoder-only batching needs, and its mask."""
-    width = max(prompt.shape[1] for prompt in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - prompt.shape[1] :] = prompt[0]
-        attention_mask[row, width - prompt.shape[1] :] = 1
-    return input_ids, attention_mask
-
-
 def new_tokens_per_row(sequences: torch.LongTensor, prompt_width: int, eos_token_ids: list[int]) -> list[int]:
     """How many tokens each row generated, up to and including its first EOS (the rest is padding)."""
     counts = []
@@ -306,7 +295,9 @@ def run_batch_sizes(model, speculator, prompts, batch_sizes: list[int], max_new_
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     rows = []
     for size in tqdm(batch_sizes, desc="Batch sizes", unit="batch"):
-        input_ids, attention_mask = left_padded([prompts[i % len(prompts)] for i in range(size)], pad_token_id)
+        input_ids, attention_mask = left_padded(
+            [prompts[i % len(prompts)][0].tolist() for i in range(size)], pad_token_id
+        )
         kwargs = {"attention_mask": attention_mask, "do_sample": False, "pad_token_id": pad_token_id}
         seconds, outputs = {}, {}
         for name, extra in (("plain", {}), ("speculative", {"assistant_model": speculator})):

@@ -9,7 +9,7 @@ import itertools
 import json
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -174,38 +174,55 @@ class PackedTextStream:
         assistant's answer ends there). Training prompts cycle epoch after epoch, starting after the first `skip`;
         held-out prompts are read once.
         """
-        while True:
-            produced = 0
-            for document in self._documents(held_out):
-                produced += 1
-                if skip:
-                    skip -= 1
-                    continue
-                yield self.tokenizer(document)["input_ids"][-length:]
-            if held_out or produced == 0:
-                return
-            skip %= produced
+
+        def epoch():
+            return (self.tokenizer(document)["input_ids"][-length:] for document in self._documents(held_out))
+
+        if held_out:
+            return epoch()
+        return _cycle(
+            epoch,
+            skip,
+            f"The prompt data ({', '.join(self.sources)}) holds no document outside the held-out split. Give more "
+            "prompts, or lower eval_fraction.",
+        )
 
     def train_sequences(self, skip: int = 0) -> Iterator[torch.LongTensor]:
         """Training sequences, epoch after epoch, starting after the first `skip`."""
-        epoch = 0
-        while True:
-            produced = 0
-            for sequence in pack(self._documents(False), self.tokenizer, self.seq_length):
-                produced += 1
-                if skip:
-                    skip -= 1
-                    continue
-                yield sequence
-            if produced == 0:
-                raise ValueError(
-                    f"The training data ({', '.join(self.sources)}) holds no complete sequence of {self.seq_length} "
-                    "tokens outside the held-out split. Give more data, or lower seq_length or eval_fraction."
-                )
-            epoch += 1
-            # Skipping whole epochs by re-reading them would only waste time.
-            skip %= produced
-            logger.info(f"Starting epoch {epoch} over the training data.")
+        return _cycle(
+            lambda: pack(self._documents(False), self.tokenizer, self.seq_length),
+            skip,
+            f"The training data ({', '.join(self.sources)}) holds no complete sequence of {self.seq_length} tokens "
+            "outside the held-out split. Give more data, or lower seq_length or eval_fraction.",
+        )
 
 
-__all__ = ["PackedTextStream", "is_held_out", "iter_documents", "pack"]
+def _cycle(epoch: Callable[[], Iterable], skip: int, empty_error: str) -> Iterator:
+    """The items of `epoch()`, epoch after epoch forever, starting after the first `skip`; `empty_error` if none."""
+    number = 0
+    while True:
+        produced = 0
+        for item in epoch():
+            produced += 1
+            if skip:
+                skip -= 1
+                continue
+            yield item
+        if produced == 0:
+            raise ValueError(empty_error)
+        number += 1
+        # Skipping whole epochs by re-reading them would only waste time.
+        skip %= produced
+        logger.info(f"Starting epoch {number} over the training data.")
+
+
+def left_padded(prompts: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Token lists of different lengths as one batch padded on the left, as decoder-only generation needs, and its
+    attention mask."""
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return input_ids, attention_mask
+
+
+__all__ = ["PackedTextStream", "is_held_out", "iter_documents", "left_padded", "pack"]

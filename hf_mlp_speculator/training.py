@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
 from .configuration_mlp_speculator import MLPSpeculatorConfig
-from .data import PackedTextStream
+from .data import PackedTextStream, left_padded
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 from .packed_linear import pack_linear_weights
 
@@ -212,14 +212,6 @@ def speculator_batch(base, tokens: torch.LongTensor, n_predict: int, start: int 
         after_eos = torch.stack([after_eos[:, start + 2 + i : length + 2 + i] for i in range(n_predict)])
         labels = labels.masked_fill(after_eos, IGNORE_INDEX)
     return hidden, tokens[:, start + 1 :], labels
-
-
-def left_padded(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Prompts of different lengths as one left-padded batch, and its attention mask."""
-    width = max(len(prompt) for prompt in prompts)
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    return ids, mask
 
 
 def generate_continuations(
@@ -462,7 +454,9 @@ def train(args: SpeculatorTrainingArguments) -> Path:
         return ids, torch.ones_like(ids)
 
     if prompt_data:
-        held_out = list(itertools.islice(prompt_data.prompts(args.stage2_prompt_length, held_out=True), args.eval_sequences))
+        held_out = list(
+            itertools.islice(prompt_data.prompts(args.stage2_prompt_length, held_out=True), args.eval_sequences)
+        )
         if not held_out:
             raise ValueError(
                 f"No held-out prompt in {', '.join(args.stage2_data)} (eval_fraction={args.eval_fraction}). Give more "

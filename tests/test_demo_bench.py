@@ -13,12 +13,12 @@ from tiny_tokenizer import char_tokenizer
 from hf_mlp_speculator import SpeculationMetrics, cli
 from hf_mlp_speculator.bench import (
     Mode,
-    left_padded,
     markdown_table,
     measure_verify_cost,
     new_tokens_per_row,
     summarize,
 )
+from hf_mlp_speculator.data import left_padded
 from hf_mlp_speculator.timing import GenerationRun, load_pair, token_latencies
 
 
@@ -137,7 +137,7 @@ def test_bench_end_to_end(tiny_pair, tmp_path):
 
 
 def test_left_padding_and_token_counts():
-    input_ids, attention_mask = left_padded([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad_token_id=2)
+    input_ids, attention_mask = left_padded([[5, 6, 7], [8]], pad_token_id=2)
     assert input_ids.tolist() == [[5, 6, 7], [2, 2, 8]] and attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     sequences = torch.tensor([[5, 6, 7, 9, 1, 2, 2], [2, 2, 8, 4, 4, 4, 4]])
     assert new_tokens_per_row(sequences, 3, eos_token_ids=[1]) == [2, 4]  # up to and including the first EOS
