@@ -18,14 +18,12 @@ import itertools
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -99,6 +97,14 @@ class SpeculatorTrainingArguments:
     stage2_prompt_length: int = field(default=64, metadata={"help": "Prompt tokens (the last ones of a document)."})
     stage2_new_tokens: int = field(default=256, metadata={"help": "Tokens the base model samples per prompt."})
     stage2_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; 0: greedy."})
+    stage2_steps_per_generation: int = field(
+        default=8,
+        metadata={
+            "help": "Steps trained on the continuations of one generate() call: each process's base continues "
+            "batch_size x gradient_accumulation_steps x this many prompts at once, which decodes several times faster "
+            "per token than one batch at a time."
+        },
+    )
     stage2_top_k: int = field(default=10, metadata={"help": "Top-k of the base model's sampling; 0: off."})
     # Runtime.
     dtype: str = field(default="float32", metadata={"help": "Base model dtype: float32, bfloat16, float16 or auto."})
@@ -137,6 +143,8 @@ class SpeculatorTrainingArguments:
                     f"{name}={getattr(self, name)} leaves nothing to learn for n_predict={self.n_predict}: it must "
                     "exceed n_predict."
                 )
+        if self.stage2_steps_per_generation < 1:
+            raise ValueError(f"stage2_steps_per_generation must be >= 1, got {self.stage2_steps_per_generation}.")
         if self.stage2_prompt_length > self.seq_length:
             raise ValueError(
                 f"stage2_prompt_length={self.stage2_prompt_length} exceeds seq_length={self.seq_length}: prompts are "
@@ -154,10 +162,10 @@ class SpeculatorTrainingArguments:
 
 @dataclass
 class TrainerState:
-    """What a checkpoint needs besides weights and optimizer to continue exactly: the step and the data position."""
+    """What a checkpoint needs besides weights and optimizer to continue exactly: the step (the data position and the
+    stage-2 sampling seeds follow from it)."""
 
     step: int = 0
-    sequences_seen: int = 0
     log_history: list = field(default_factory=list)
 
 
@@ -351,15 +359,10 @@ def save_checkpoint(accelerator, speculator, optimizer, state: TrainerState, arg
         for stale in output_dir.glob(".tmp-checkpoint-*"):
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    torch.save(rng_state(), tmp / f"rng_state_{accelerator.process_index}.pt")
-    if accelerator.is_main_process:
         accelerator.unwrap_model(speculator).save_pretrained(tmp)
         _maybe_kill("save", state.step)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(dataclasses.asdict(state), indent=1))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
         _fsync_tree(tmp)
         os.replace(tmp, final)
         _fsync(output_dir)
@@ -372,27 +375,11 @@ def save_checkpoint(accelerator, speculator, optimizer, state: TrainerState, arg
     accelerator.wait_for_everyone()
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def load_checkpoint(path: Path, accelerator, speculator, optimizer) -> TrainerState:
-    """Restores weights, optimizer, step, data position and this process's RNG from a checkpoint."""
+    """Restores weights, optimizer and step from a checkpoint."""
     weights = MLPSpeculatorPreTrainedModel.from_pretrained(path).state_dict()
     accelerator.unwrap_model(speculator).load_state_dict(weights)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=accelerator.device, weights_only=True))
-    set_rng_state(torch.load(path / f"rng_state_{accelerator.process_index}.pt", weights_only=False))
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
 
 
@@ -438,21 +425,32 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     speculator, optimizer = accelerator.prepare(speculator, optimizer)
     eos_token_id = base.generation_config.eos_token_id
 
-    # The held-out set: the base model's greedy continuations of held-out prompts, and its hidden states along them,
-    # computed once since the base model never changes.
     data = PackedTextStream(args.data, tokenizer, args.seq_length, args.eval_fraction, args.text_field)
     prompt_data = args.stage2_data and PackedTextStream(
         args.stage2_data, tokenizer, args.seq_length, args.eval_fraction, args.text_field
     )
     pad_token_id = base.generation_config.pad_token_id or 0
 
-    def stage2_inputs(prompts):
-        """(ids, attention mask) of a batch of prompts: token lists from `prompt_data`, or packed sequences."""
+    def continuations(prompts, new_tokens, temperature, top_k):
+        """
+        The base model's continuations of `prompts` (token lists from `prompt_data`, or packed sequences) in one
+        generate() call, as `speculator_batch`es of `batch_size` rows.
+        """
         if prompt_data:
-            return left_padded(prompts, pad_token_id, accelerator.device)
-        ids = prompts[:, : args.stage2_prompt_length].to(accelerator.device)
-        return ids, torch.ones_like(ids)
+            ids, mask = left_padded(prompts, pad_token_id, accelerator.device)
+        else:
+            ids = torch.stack(prompts)[:, : args.stage2_prompt_length].to(accelerator.device)
+            mask = torch.ones_like(ids)
+        with torch.no_grad():
+            sequences, hidden = generate_continuations(base, ids, new_tokens, temperature, top_k, mask)
+        hidden, input_ids, labels = speculator_batch(
+            base, sequences, args.n_predict, ids.shape[1] - 1, eos_token_id, hidden
+        )
+        rows = args.batch_size
+        return list(zip(hidden.split(rows), input_ids.split(rows), labels.split(rows, dim=1)))
 
+    # The held-out set: the base model's greedy continuations of held-out prompts, and its hidden states along them,
+    # computed once since the base model never changes.
     if prompt_data:
         held_out = list(
             itertools.islice(prompt_data.prompts(args.stage2_prompt_length, held_out=True), args.eval_sequences)
@@ -462,18 +460,12 @@ def train(args: SpeculatorTrainingArguments) -> Path:
                 f"No held-out prompt in {', '.join(args.stage2_data)} (eval_fraction={args.eval_fraction}). Give more "
                 "prompts or raise eval_fraction."
             )
-        held_out = [held_out[i : i + args.batch_size] for i in range(0, len(held_out), args.batch_size)]
     else:
-        held_out = data.eval_sequences(args.eval_sequences).split(args.batch_size)
+        held_out = list(data.eval_sequences(args.eval_sequences))
+    rows_per_generation = args.batch_size * args.gradient_accumulation_steps * args.stage2_steps_per_generation
     eval_batches = []
-    for prompts in held_out:
-        prompts, mask = stage2_inputs(prompts)
-        with torch.no_grad():
-            sequences, hidden = generate_continuations(
-                base, prompts, args.eval_new_tokens, temperature=0, top_k=0, attention_mask=mask
-            )
-        start = prompts.shape[1] - 1
-        eval_batches.append(speculator_batch(base, sequences, args.n_predict, start, eos_token_id, hidden))
+    for i in range(0, len(held_out), rows_per_generation):
+        eval_batches += continuations(held_out[i : i + rows_per_generation], args.eval_new_tokens, 0, 0)
 
     state = TrainerState()
     checkpoint = latest_checkpoint(output_dir) if args.resume else None
@@ -482,9 +474,6 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, accelerator, speculator, optimizer)
         logger.info(f"Resumed from {checkpoint} at step {state.step}.")
-    else:
-        # Each process samples its own stage-2 continuations.
-        torch.manual_seed(args.seed + accelerator.process_index)
     hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in dataclasses.asdict(args).items()}
     accelerator.init_trackers("mlp_speculator", config=hparams)
 
@@ -495,46 +484,61 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     if state.step == 0:
         log(evaluate(speculator, eval_batches, accelerator))
 
+    # Every process reads the same global micro-batches, in the same order whatever the process count, and keeps its
+    # own rows of each; where a step reads follows from the step alone, so a resumed run reads what it would have.
     world, rank = accelerator.num_processes, accelerator.process_index
-    sequences = data.train_sequences(skip=state.sequences_seen)
-    # Stage 2 reads one prompt per row and step, so its position follows from the step.
     rows_per_step = args.batch_size * world * args.gradient_accumulation_steps
-    stage2_done = max(state.step - args.stage1_steps, 0) * rows_per_step
-    stage2_prompts = prompt_data and prompt_data.prompts(args.stage2_prompt_length, skip=stage2_done)
+
+    def own_rows(source, micro_steps: int) -> list:
+        rows = []
+        for _ in range(micro_steps):
+            micro_batch = [next(source) for _ in range(args.batch_size * world)]
+            rows += micro_batch[rank * args.batch_size : (rank + 1) * args.batch_size]
+        return rows
+
+    stage1_sequences = data.train_sequences(skip=min(state.step, args.stage1_steps) * rows_per_step)
+    stage2_prompts = None  # opened when stage 2 starts, at the generation the current step belongs to
+    pending = []  # this process's stage-2 micro-batches, generated but not trained on yet
     progress = tqdm(total=args.total_steps, initial=state.step, disable=not accelerator.is_local_main_process)
+    run_started, run_tokens = time.perf_counter(), 0
     while state.step < args.total_steps:
         stage = 1 if state.step < args.stage1_steps else 2
         lr = args.learning_rate * lr_multiplier(state.step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        started, tokens, stats = time.perf_counter(), 0, 0
-        for micro_step in range(args.gradient_accumulation_steps):
-            # Every process reads the same global micro-batch and keeps its own rows of it.
-            source = stage2_prompts if stage == 2 and prompt_data else sequences
-            rows = [next(source) for _ in range(args.batch_size * world)]
-            rows = rows[rank * args.batch_size : (rank + 1) * args.batch_size]
-            if source is sequences:
-                state.sequences_seen += args.batch_size * world
-                rows = torch.stack(rows)
-            if stage == 1:
-                batch = rows.to(accelerator.device)
-                hidden, input_ids, labels = speculator_batch(base, batch, args.n_predict)
-            else:
-                prompts, mask = stage2_inputs(rows)
-                with torch.no_grad():
-                    batch, hidden = generate_continuations(
-                        base, prompts, args.stage2_new_tokens, args.stage2_temperature, args.stage2_top_k, mask
+        if stage == 1:
+            rows = torch.stack(own_rows(stage1_sequences, args.gradient_accumulation_steps)).to(accelerator.device)
+            batches = [speculator_batch(base, batch, args.n_predict) for batch in rows.split(args.batch_size)]
+        else:
+            if not pending:
+                generation, offset = divmod(state.step - args.stage1_steps, args.stage2_steps_per_generation)
+                if stage2_prompts is None:
+                    skip = generation * args.stage2_steps_per_generation * rows_per_step
+                    stage2_prompts = (
+                        prompt_data.prompts(args.stage2_prompt_length, skip=skip)
+                        if prompt_data
+                        else data.train_sequences(skip=args.stage1_steps * rows_per_step + skip)
                     )
-                hidden, input_ids, labels = speculator_batch(
-                    base, batch, args.n_predict, prompts.shape[1] - 1, eos_token_id, hidden
-                )
-            tokens += batch.numel()
-            last = micro_step == args.gradient_accumulation_steps - 1
+                steps = min(args.stage2_steps_per_generation, args.total_steps - state.step + offset)
+                # Seeded by the generation, so that a run resumed in its middle samples the same continuations again.
+                torch.manual_seed(hash((args.seed, generation, rank)))
+                pending = continuations(
+                    own_rows(stage2_prompts, steps * args.gradient_accumulation_steps),
+                    args.stage2_new_tokens,
+                    args.stage2_temperature,
+                    args.stage2_top_k,
+                )[offset * args.gradient_accumulation_steps :]
+            batches = pending[: args.gradient_accumulation_steps]
+            del pending[: args.gradient_accumulation_steps]
+        stats = 0
+        for micro_step, (hidden, input_ids, labels) in enumerate(batches):
+            last = micro_step == len(batches) - 1
             with accelerator.no_sync(speculator) if not last else contextlib.nullcontext():
                 with accelerator.autocast():
                     head_losses, micro_stats = head_statistics(speculator(hidden, input_ids).logits, labels)
-                accelerator.backward(head_losses.sum() / args.gradient_accumulation_steps)
+                accelerator.backward(head_losses.sum() / len(batches))
             stats = stats + micro_stats
+            run_tokens += labels[0].numel() * world
         if args.max_grad_norm > 0:
             accelerator.clip_grad_norm_(speculator.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -543,7 +547,8 @@ def train(args: SpeculatorTrainingArguments) -> Path:
 
         # Summed counts over processes give the metrics of the global batch, as one process would compute them.
         stats = accelerator.reduce(stats, "sum")
-        tokens_per_second = tokens * world / (time.perf_counter() - started)
+        # Over the whole run so far: a stage-2 step that generates its continuations takes much longer than the next.
+        tokens_per_second = run_tokens / (time.perf_counter() - run_started)
         metrics = {
             **summarize(stats, "train"),
             "train/lr": lr,

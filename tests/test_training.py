@@ -185,13 +185,16 @@ def test_resume_after_sigkill_is_exact(toy, toy_prompts, tmp_path, separate_prom
     """
     # Tied heads too: a tied checkpoint stores only the shared tensors, and resuming must restore them all.
     extra = {"stage2_data": [str(toy_prompts)]} if separate_prompts else {}
-    args = toy_args(toy, tmp_path / "killed", save_every=3, tie_weights=True, **extra)
-    killed = run_cli(args, env={KILL_ENV: "save:6"})  # in stage 2, so the sampling RNG must be restored too
+    # Checkpoint 5 falls inside stage 2's second generation (steps 5-7), so the resumed run must sample that
+    # generation's continuations again, identically, and train on the rest of them.
+    extra.update(stage1_steps=1, stage2_steps=10, stage2_steps_per_generation=3, save_every=5, tie_weights=True)
+    args = toy_args(toy, tmp_path / "killed", **extra)
+    killed = run_cli(args, env={KILL_ENV: "save:10"})
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert latest_checkpoint(args.output_dir).name == "checkpoint-3"
-    assert (tmp_path / "killed" / ".tmp-checkpoint-6" / "model.safetensors").is_file()  # incomplete, and ignored
+    assert latest_checkpoint(args.output_dir).name == "checkpoint-5"
+    assert (tmp_path / "killed" / ".tmp-checkpoint-10" / "model.safetensors").is_file()  # incomplete, and ignored
     train(dataclasses.replace(args, resume=True))
-    train(toy_args(toy, tmp_path / "unbroken", save_every=3, tie_weights=True, **extra))
+    train(toy_args(toy, tmp_path / "unbroken", **extra))
 
     weights, expected = (
         load_file(tmp_path / "killed" / "model.safetensors"),
@@ -199,7 +202,7 @@ def test_resume_after_sigkill_is_exact(toy, toy_prompts, tmp_path, separate_prom
     )
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
     assert history(tmp_path / "killed", "train/loss") == history(tmp_path / "unbroken", "train/loss")
-    assert sorted(p.name for p in (tmp_path / "killed").glob("*checkpoint-*")) == ["checkpoint-6", "checkpoint-9"]
+    assert sorted(p.name for p in (tmp_path / "killed").glob("*checkpoint-*")) == ["checkpoint-10", "checkpoint-5"]
 
 
 def test_two_processes_match_one_with_the_same_global_batch(toy, tmp_path):
@@ -220,6 +223,15 @@ def test_two_processes_match_one_with_the_same_global_batch(toy, tmp_path):
     assert all(torch.allclose(weights[k], expected[k], atol=1e-5) for k in weights)
 
 
+def test_generating_several_steps_at_once_trains_on_the_same_continuations(toy, toy_prompts, tmp_path):
+    """Stage 2 continues the prompts of several steps in one generate() call; the steps see the same data."""
+    settings = dict(stage2_data=[str(toy_prompts)], stage2_temperature=0.0, stage1_steps=2, stage2_steps=5)
+    train(toy_args(toy, tmp_path / "one", stage2_steps_per_generation=1, **settings))
+    train(toy_args(toy, tmp_path / "many", stage2_steps_per_generation=3, **settings))
+    losses_one, losses_many = history(tmp_path / "one", "train/loss"), history(tmp_path / "many", "train/loss")
+    assert len(losses_one) == 7 and losses_many == pytest.approx(losses_one, rel=1e-5)
+
+
 def test_bad_settings_say_what_to_do():
     with pytest.raises(ValueError, match=r"seq_length=4 is too short for n_predict=3.*at least n_predict \+ 2 = 5"):
         SpeculatorTrainingArguments(base_model="x", data=["x"], seq_length=4)
@@ -227,3 +239,5 @@ def test_bad_settings_say_what_to_do():
         SpeculatorTrainingArguments(base_model="x", data=[])
     with pytest.raises(ValueError, match="stage2_prompt_length=64 exceeds seq_length=32"):
         SpeculatorTrainingArguments(base_model="x", data=["x"], seq_length=32)
+    with pytest.raises(ValueError, match="stage2_steps_per_generation must be >= 1, got 0"):
+        SpeculatorTrainingArguments(base_model="x", data=["x"], stage2_steps_per_generation=0)
