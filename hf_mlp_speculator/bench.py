@@ -26,7 +26,7 @@ from transformers.utils import logging
 
 from .data import left_padded
 from .default_models import evaluation_prompts
-from .timing import GenerationRun, add_model_arguments, encode_prompts, load_pair
+from .timing import WARMUP_TOKENS, GenerationRun, add_model_arguments, encode_prompts, load_pair
 
 logger = logging.get_logger(__name__)
 
@@ -114,7 +114,7 @@ def run_modes(model, modes: list[Mode], prompts: list[torch.LongTensor], max_new
         return run.generate(model, input_ids, max_new_tokens=tokens, **mode.generate_kwargs)
 
     for mode in modes:
-        call(GenerationRun("warm-up"), mode, 0, prompts[0], min(8, max_new_tokens))
+        call(GenerationRun("warm-up"), mode, 0, prompts[0], min(WARMUP_TOKENS, max_new_tokens))
     runs = {mode.name: GenerationRun(mode.name) for mode in modes}
     with tqdm(total=len(prompts) * len(modes), desc="Benchmark", unit="call") as bar:
         for index, input_ids in enumerate(prompts):
@@ -301,7 +301,7 @@ def run_batch_sizes(model, speculator, prompts, batch_sizes: list[int], max_new_
         kwargs = {"attention_mask": attention_mask, "do_sample": False, "pad_token_id": pad_token_id}
         seconds, outputs = {}, {}
         for name, extra in (("plain", {}), ("speculative", {"assistant_model": speculator})):
-            model.generate(input_ids, max_new_tokens=4, **kwargs, **extra)  # warm-up at this shape
+            model.generate(input_ids, max_new_tokens=WARMUP_TOKENS, **kwargs, **extra)  # warm-up at this shape
             start = time.perf_counter()
             outputs[name] = model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs, **extra)
             seconds[name] = time.perf_counter() - start

@@ -255,6 +255,10 @@ def default_speculator(base_model: Path | None = None) -> Path:
         # Only the model goes into the cache; its checkpoints and data stay behind until the build succeeded.
         final = workdir / "speculator"
         shutil.copytree(trained, final, ignore=shutil.ignore_patterns("checkpoint-*", ".tmp-*"))
+        card = final / "README.md"
+        if card.is_file():
+            # Its usage snippet names the folder it was trained in, which is deleted once the cache is in place.
+            card.write_text(card.read_text().replace(str(trained.resolve()), str(target)))
         return final
 
     built = cached_build(target, manifest, build, "default speculator")

@@ -7,12 +7,10 @@ import torch
 from transformers.utils import logging
 
 from .default_models import evaluation_prompts
-from .timing import GenerationRun, add_model_arguments, encode_prompts, load_pair, token_bar
+from .timing import WARMUP_TOKENS, GenerationRun, add_model_arguments, encode_prompts, load_pair, token_bar
 
 
 logger = logging.get_logger(__name__)
-
-WARMUP_TOKENS = 8
 
 
 def add_arguments(parser) -> None:

@@ -33,7 +33,7 @@ def make_model_card(args, config, log_history: list) -> ModelCard:
             "n_predict", "inner_dim", "tie_weights", "scale_input", "seq_length", "batch_size",
             "gradient_accumulation_steps", "stage1_steps", "stage2_steps", "learning_rate", "warmup_steps",
             "weight_decay", "max_grad_norm", "stage2_prompt_length", "stage2_new_tokens", "stage2_temperature",
-            "stage2_top_k", "dtype", "seed",
+            "stage2_top_k", "stage2_steps_per_generation", "dtype", "seed",
         )
     )  # fmt: skip
     body = f"""
@@ -78,6 +78,7 @@ Expected tokens per verifier step: **{evaluation.get("eval/tokens_per_step", flo
 |---|---|
 {settings}
 | data | {", ".join(f"`{d}`" for d in args.data)} |
+| stage-2 prompts | {", ".join(f"`{d}`" for d in args.stage2_data) if args.stage2_data else "cut from the data"} |
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 

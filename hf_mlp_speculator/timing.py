@@ -21,6 +21,9 @@ from .packed_linear import pack_linear_weights
 
 logger = logging.get_logger(__name__)
 
+# Tokens each model generates once before anything is timed, to pay one-time costs (kernel selection, allocation).
+WARMUP_TOKENS = 8
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNTRAINED = "untrained"
 

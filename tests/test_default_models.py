@@ -157,6 +157,7 @@ def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path,
         final = Path(args.output_dir) / "final"
         final.mkdir(parents=True)
         (final / "config.json").write_text("{}")
+        (final / "README.md").write_text(f'AutoModel.from_pretrained("{final.resolve()}")')
         return str(final)
 
     base = fake_base_and_trainer(tmp_path, monkeypatch, train)
@@ -164,6 +165,8 @@ def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path,
     assert default_models.default_speculator(base) == folder and len(seen) == 1
     assert seen[0].base_model == str(base) and seen[0].n_predict == default_models.SPECULATOR_TRAINING["n_predict"]
     assert (folder / "config.json").is_file()
+    # The model card's usage snippet names the cached folder, not the training folder that is gone.
+    assert (folder / "README.md").read_text() == f'AutoModel.from_pretrained("{folder}")'
     # A different base model needs a speculator of its own.
     (base / "config.json").write_text('{"hidden_size": 1}')
     default_models.default_speculator(base)
