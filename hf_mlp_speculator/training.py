@@ -508,7 +508,7 @@ def train(args: SpeculatorTrainingArguments) -> Path:
             group["lr"] = lr
         if stage == 1:
             rows = torch.stack(own_rows(stage1_sequences, args.gradient_accumulation_steps)).to(accelerator.device)
-            batches = [speculator_batch(base, batch, args.n_predict) for batch in rows.split(args.batch_size)]
+            batches = (speculator_batch(base, batch, args.n_predict) for batch in rows.split(args.batch_size))
         else:
             if not pending:
                 generation, offset = divmod(state.step - args.stage1_steps, args.stage2_steps_per_generation)
@@ -530,13 +530,13 @@ def train(args: SpeculatorTrainingArguments) -> Path:
                 )[offset * args.gradient_accumulation_steps :]
             batches = pending[: args.gradient_accumulation_steps]
             del pending[: args.gradient_accumulation_steps]
-        stats = 0
+        stats, accumulation = 0, args.gradient_accumulation_steps
         for micro_step, (hidden, input_ids, labels) in enumerate(batches):
-            last = micro_step == len(batches) - 1
+            last = micro_step == accumulation - 1
             with accelerator.no_sync(speculator) if not last else contextlib.nullcontext():
                 with accelerator.autocast():
                     head_losses, micro_stats = head_statistics(speculator(hidden, input_ids).logits, labels)
-                accelerator.backward(head_losses.sum() / len(batches))
+                accelerator.backward(head_losses.sum() / accumulation)
             stats = stats + micro_stats
             run_tokens += labels[0].numel() * world
         if args.max_grad_norm > 0:

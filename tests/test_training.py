@@ -232,6 +232,21 @@ def test_generating_several_steps_at_once_trains_on_the_same_continuations(toy, 
     assert len(losses_one) == 7 and losses_many == pytest.approx(losses_one, rel=1e-5)
 
 
+def test_gradient_accumulation_matches_the_whole_batch_at_once(toy, toy_prompts, tmp_path):
+    """Two micro-steps of 2 sequences make the same optimizer steps as one of 4, in both stages."""
+    settings = dict(stage2_data=[str(toy_prompts)], stage2_temperature=0.0, stage1_steps=3, stage2_steps=3,
+                    stage2_steps_per_generation=2)  # fmt: skip
+    train(toy_args(toy, tmp_path / "whole", batch_size=4, **settings))
+    train(toy_args(toy, tmp_path / "accumulated", batch_size=2, gradient_accumulation_steps=2, **settings))
+    whole, accumulated = history(tmp_path / "whole", "train/loss"), history(tmp_path / "accumulated", "train/loss")
+    assert len(whole) == 6 and accumulated == pytest.approx(whole, rel=1e-5)
+    weights, expected = (
+        load_file(tmp_path / "accumulated" / "model.safetensors"),
+        load_file(tmp_path / "whole" / "model.safetensors"),
+    )
+    assert all(torch.allclose(weights[k], expected[k], atol=1e-5) for k in weights)
+
+
 def test_bad_settings_say_what_to_do():
     with pytest.raises(ValueError, match=r"seq_length=4 is too short for n_predict=3.*at least n_predict \+ 2 = 5"):
         SpeculatorTrainingArguments(base_model="x", data=["x"], seq_length=4)
