@@ -12,7 +12,8 @@ from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     """
     Runs inside `_assisted_decoding` through the `requires_model_outputs` protocol: each round it reads the verifier's
-    last hidden states from the previous forward and drafts up to `min(n_predict, num_assistant_tokens)` tokens.
+    last hidden states from the previous forward and drafts up to `min(n_predict, num_assistant_tokens)` tokens, fewer
+    when a draft falls below `assistant_confidence_threshold`.
 
     The draft starts from the hidden state at the position that emitted the last token. After prefill that is the last
     prompt position; after a round that checked `k` drafts and accepted `m` of them it is row `m` of the `k + 1`
@@ -37,6 +38,10 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         n_predict = speculator.config.n_predict
         self.num_heads = min(n_predict, generation_config.num_assistant_tokens or n_predict)
+        # transformers' `assistant_confidence_threshold` (0.4 unless set), as its own assistants apply it: drafting
+        # stops after a draft the speculator gave less than this probability, since the heads after it would rarely be
+        # accepted and each costs a verified position. 0 drafts every head.
+        self.confidence_threshold = generation_config.assistant_confidence_threshold or 0.0
         # Ask the verifier for its last layer only, unless the user asked for all layers: replacing their request
         # would break the per-token split of `hidden_states` in the output.
         self.model_kwargs_overrides = {} if generation_config.output_hidden_states else {"output_hidden_states": -1}
@@ -79,6 +84,9 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             if self.do_sample:
                 draft_logits.append(logits)
             candidate_ids = torch.cat([candidate_ids, token[:, None]], dim=-1)
+            if head + 1 < self.num_drafted and logits.softmax(-1)[0, token[0]] < self.confidence_threshold:
+                self.num_drafted = head + 1
+                break
             token = token.to(self.speculator.device)
         return candidate_ids, torch.stack(draft_logits, dim=1) if self.do_sample else None
 

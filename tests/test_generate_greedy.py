@@ -131,6 +131,30 @@ def test_num_assistant_tokens_limits_heads():
     assert metrics.num_steps == 7  # 19 decode tokens, 3 per step with perfect drafts: ceil(19 / 3)
 
 
+def test_confidence_threshold_stops_the_chain_after_an_unconfident_draft():
+    """As transformers' assistants do: the draft below `assistant_confidence_threshold` is the chain's last."""
+    verifier, prompt = make_verifier(), make_prompt()
+    expected = greedy(verifier, prompt, max_new_tokens=20)
+    # Head 1 puts its wrong token at p = 0.73 (the right one close behind); heads 0 and 2 are right at p ~ 1.
+    for threshold, drafted in ((0.8, 2), (0.5, 3), (0.0, 3)):
+        speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: h == 1)
+        output = greedy(verifier, prompt, max_new_tokens=20, assistant_model=speculator,
+                        assistant_confidence_threshold=threshold)  # fmt: skip
+        assert torch.equal(output, expected)
+        metrics = speculator.speculation_metrics
+        # 19 decode tokens at 2 per step; near the length limit there is room for fewer drafts.
+        assert metrics.num_steps == 10 and len(metrics.head_draft_tokens) == drafted
+        assert metrics.head_draft_tokens[:2] == [9, 9]
+        assert metrics.head_acceptance_rates[:2] == [1.0, 0.0]
+
+    # Unset, transformers' default of 0.4 applies: a random speculator's drafts are all below it, one per step.
+    verifier.generation_config.assistant_confidence_threshold = None
+    speculator = make_speculator(n_predict=3)
+    assert torch.equal(greedy(verifier, prompt, max_new_tokens=20, assistant_model=speculator), expected)
+    metrics = speculator.speculation_metrics
+    assert metrics.num_steps == 19 and metrics.head_draft_tokens == [18]  # the last step has no room for a draft
+
+
 def test_pipeline_with_assistant_model():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, pipeline
