@@ -5,6 +5,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import ModelOutput
 
+from .drafting import draft_chain
 from .metrics import SpeculationMetrics
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 
@@ -38,9 +39,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         n_predict = speculator.config.n_predict
         self.num_heads = min(n_predict, generation_config.num_assistant_tokens or n_predict)
-        # transformers' `assistant_confidence_threshold` (0.4 unless set), as its own assistants apply it: drafting
-        # stops after a draft the speculator gave less than this probability, since the heads after it would rarely be
-        # accepted and each costs a verified position. 0 drafts every head.
+        # transformers' `assistant_confidence_threshold` (0.4 unless set); see `draft_chain`.
         self.confidence_threshold = generation_config.assistant_confidence_threshold or 0.0
         # Ask the verifier for its last layer only, unless the user asked for all layers: replacing their request
         # would break the per-token split of `hidden_states` in the output.
@@ -71,24 +70,19 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         if self.num_drafted == 0:
             return input_ids, None
 
-        speculator = self.speculator.speculator
-        state = speculator.input_state(hidden.to(self.speculator.device, self.speculator.dtype))
-        token = input_ids[:, -1].to(self.speculator.device)
-        candidate_ids, draft_logits = input_ids, []
-        for head in range(self.num_drafted):
-            state, logits = speculator.step(head, state, token)
-            logits = logits.to(device=input_ids.device, dtype=torch.float32)
-            if self.logits_processor:
-                logits = self.logits_processor(candidate_ids, logits)
-            token = self.select(logits)
-            if self.do_sample:
-                draft_logits.append(logits)
-            candidate_ids = torch.cat([candidate_ids, token[:, None]], dim=-1)
-            if head + 1 < self.num_drafted and logits.softmax(-1)[0, token[0]] < self.confidence_threshold:
-                self.num_drafted = head + 1
-                break
-            token = token.to(self.speculator.device)
-        return candidate_ids, torch.stack(draft_logits, dim=1) if self.do_sample else None
+        def process(scores, drafts):
+            if not self.logits_processor:
+                return scores
+            return self.logits_processor(input_ids if drafts is None else torch.cat([input_ids, drafts], 1), scores)
+
+        hidden = hidden.to(self.speculator.device, self.speculator.dtype)
+        num_drafts = torch.tensor([self.num_drafted], device=input_ids.device)
+        chain = draft_chain(
+            self.speculator.speculator, hidden, input_ids[:, -1], num_drafts, process, self.select,
+            self.confidence_threshold,
+        )  # fmt: skip
+        self.num_drafted = chain.num_nodes - 1  # fewer than asked if the chain stopped at an unsure draft
+        return torch.cat([input_ids, chain.tokens[:, 1:]], dim=-1), chain.draft_logits if self.do_sample else None
 
     def select(self, logits: torch.FloatTensor) -> torch.LongTensor:
         """Picks a draft from processed logits the way the verifier picks its tokens: argmax, or a sample."""

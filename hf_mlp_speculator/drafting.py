@@ -55,22 +55,33 @@ class DraftTree:
         return paths
 
 
-def draft_chain(heads: MLPSpeculator, hidden, last_tokens, num_drafts, process, select) -> DraftTree:
+def draft_chain(
+    heads: MLPSpeculator, hidden, last_tokens, num_drafts, process, select, confidence_threshold: float = 0.0
+) -> DraftTree:
     """
     Drafts up to `num_drafts[b]` tokens for row `b`, head after head. `process(scores, drafts)` applies the logits
     processors to the scores that follow `drafts` and `select(scores)` picks a token, both exactly as for the
     verifier, so that a sampled draft comes with the distribution it was really drawn from.
+
+    As transformers' assistants do with `assistant_confidence_threshold`, a row's chain ends with its first draft that
+    got less than `confidence_threshold` probability: the heads after it would rarely be accepted, and each costs a
+    verified position. Stopping depends on the drafts alone, so decoding stays lossless.
     """
     device = last_tokens.device  # the verifier's: processors and tokens live there
     state = heads.input_state(hidden)
     token = last_tokens
     drafts, draft_logits = [], []
-    for head in range(int(num_drafts.max())):
+    head = 0
+    while head < int(num_drafts.max()):
         state, logits = heads.step(head, state, token.to(state.device))
         scores = process(logits.to(device=device, dtype=torch.float32), torch.stack(drafts, dim=1) if drafts else None)
         token = select(scores)
         drafts.append(token)
         draft_logits.append(scores)
+        head += 1
+        if confidence_threshold > 0:
+            unsure = scores.softmax(-1).gather(1, token[:, None]).squeeze(1) < confidence_threshold
+            num_drafts = torch.where(unsure, num_drafts.clamp(max=head), num_drafts)
     candidates = torch.stack(drafts, dim=1)[:, None] if drafts else last_tokens.new_zeros(len(last_tokens), 1, 0)
     tree = tree_from_candidates(candidates, last_tokens, num_drafts)
     tree.draft_logits = torch.stack(draft_logits, dim=1) if draft_logits else None

@@ -66,6 +66,7 @@ def generate_speculatively(
     """
     heads, config = speculator.speculator, speculator.config
     num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
+    confidence_threshold = generation_config.assistant_confidence_threshold or 0.0
     tree = n_candidates is not None or top_k_tokens_per_head is not None
     if tree:
         top_k = list(top_k_tokens_per_head or config.top_k_tokens_per_head)
@@ -156,8 +157,9 @@ def generate_speculatively(
         if tree:
             drafts = draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates)
         else:
-            drafts = draft_chain(heads, spec_hidden, last_tokens, num_drafts, process, select)
+            drafts = draft_chain(heads, spec_hidden, last_tokens, num_drafts, process, select, confidence_threshold)
         drafts = _to_device(drafts, input_ids.device)
+        num_drafts = drafts.depths.amax(dim=1)  # fewer than asked where a chain stopped at an unsure draft
 
         # Verify every row's drafts in one forward.
         ancestors = drafts.ancestors()

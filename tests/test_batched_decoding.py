@@ -90,6 +90,19 @@ def test_rows_stop_at_their_own_eos():
             assert (output[row, input_ids.shape[1] + stop + 1 :] == 0).all()
 
 
+def test_each_row_stops_its_chain_at_an_unsure_draft():
+    """`assistant_confidence_threshold` per row: head 1 is unsure (p = 0.73) on even rows only."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    speculator = make_oracle(verifier, input_ids, 20, attention_mask=attention_mask,
+                             wrong=lambda row, position, head: head == 1 and row % 2 == 0)  # fmt: skip
+    output = greedy(verifier, input_ids, attention_mask, max_new_tokens=20, assistant_model=speculator,
+                    assistant_confidence_threshold=0.8)  # fmt: skip
+    assert torch.equal(output, greedy(verifier, input_ids, attention_mask, max_new_tokens=20))
+    for row, metrics in enumerate(speculator.speculation_metrics_per_row):
+        assert len(metrics.head_draft_tokens) == (2 if row % 2 == 0 else 3)
+        assert metrics.head_acceptance_rates[:2] == ([1.0, 0.0] if row % 2 == 0 else [1.0, 1.0])
+
+
 def test_return_dict_and_num_return_sequences():
     verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch([4, 7])
     speculator = make_speculator()

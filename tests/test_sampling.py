@@ -146,7 +146,9 @@ def test_batched_check_catches_greedy_drafts_under_sampling(pair_and_truth, shor
 
     verifier, speculator, probs = pair_and_truth
     draft_chain = loop.draft_chain
-    monkeypatch.setattr(loop, "draft_chain", lambda *args: draft_chain(*args[:-1], lambda s: s.argmax(dim=-1)))
+    greedy = lambda s: s.argmax(dim=-1)  # noqa: E731
+    # Its arguments: heads, hidden, last_tokens, num_drafts, process, select, confidence_threshold.
+    monkeypatch.setattr(loop, "draft_chain", lambda *args: draft_chain(*args[:5], greedy, *args[6:]))
     counts, _, _ = batched_sample_counts(verifier, speculator)
     assert chi_square_p_value(counts[0], probs, BATCH_SAMPLES) < 1e-3
     assert chi_square_p_value(counts[1], short_prompt_truth, BATCH_SAMPLES) < 1e-3
