@@ -351,6 +351,14 @@ def environment(args, model, speculator) -> dict:
     }
 
 
+def write_results(output_dir: Path, name: str, environment: dict, rows: list[dict], table: str) -> list[str]:
+    """Prints the Markdown `table` and writes it and the JSON results as `name`.md and `name`.json."""
+    print("\n" + table)
+    (output_dir / f"{name}.json").write_text(json.dumps({"environment": environment, "results": rows}, indent=2))
+    (output_dir / f"{name}.md").write_text(table)
+    return [f"{name}.json", f"{name}.md"]
+
+
 def run(args) -> int:
     model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype, args.pack_weights)
     output_dir = Path(args.output_dir)
@@ -369,24 +377,15 @@ def run(args) -> int:
         # Padding is masked out, so any id will do where the tokenizer names none.
         pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
         rows = run_batch_sizes(model, speculator, prompts, args.batch_sizes, args.max_new_tokens, pad)
-        table = batch_markdown_table(rows)
-        print("\n" + table)
-        (output_dir / "bench_batch.json").write_text(
-            json.dumps({"environment": environment(args, model, speculator), "results": rows}, indent=2)
-        )
-        (output_dir / "bench_batch.md").write_text(table)
-        print(f"Wrote bench_batch.json, bench_batch.md to {output_dir}")
+        written = write_results(output_dir, "bench_batch", environment(args, model, speculator), rows,
+                                batch_markdown_table(rows))  # fmt: skip
+        print(f"Wrote {', '.join(written)} to {output_dir}")
         return 0
 
     prompts = encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])
     modes = benchmark_modes(speculator, args.prompt_lookup_num_tokens)
     rows = summarize(modes, run_modes(model, modes, prompts, args.max_new_tokens, args.seed))
-    table = markdown_table(rows)
-    print("\n" + table)
-    (output_dir / "bench.json").write_text(
-        json.dumps({"environment": environment(args, model, speculator), "results": rows}, indent=2)
-    )
-    (output_dir / "bench.md").write_text(table)
-    written = ["bench.json", "bench.md"] + ["bench.png"] * bool(plot(rows, output_dir / "bench.png"))
+    written = write_results(output_dir, "bench", environment(args, model, speculator), rows, markdown_table(rows))
+    written += ["bench.png"] * bool(plot(rows, output_dir / "bench.png"))
     print(f"Wrote {', '.join(written)} to {output_dir}")
     return 0

@@ -106,13 +106,17 @@ def tiny_pair(tmp_path_factory):
     return str(folder / "model"), str(folder / "speculator")
 
 
-def test_bench_end_to_end(tiny_pair, tmp_path):
+def run_bench(tiny_pair, output_dir, *flags, results="bench.json") -> list[dict]:
+    """`hf-mlp-speculator bench` on the tiny pair; returns the results it wrote."""
     model, speculator = tiny_pair
-    argv = ["bench", "--model", model, "--speculator", speculator, "--num-prompts", "2", "--max-new-tokens", "6",
-            "--output-dir", str(tmp_path)]  # fmt: skip
+    argv = ["bench", "--model", model, "--speculator", speculator, "--max-new-tokens", "6", "--output-dir",
+            str(output_dir), *flags]  # fmt: skip
     assert cli.main(argv) == 0
+    return json.loads((output_dir / results).read_text())["results"]
 
-    results = json.loads((tmp_path / "bench.json").read_text())["results"]
+
+def test_bench_end_to_end(tiny_pair, tmp_path):
+    results = run_bench(tiny_pair, tmp_path, "--num-prompts", "2")
     rows = {row["mode"]: row for row in results}
     assert list(rows) == ["plain greedy", "prompt lookup", "speculator k=1", "speculator k=2", "speculator k=3",
                           "speculator tree [2, 2, 2] n=5", "plain sampling", "speculative sampling k=3"]  # fmt: skip
@@ -144,11 +148,7 @@ def test_left_padding_and_token_counts():
 
 
 def test_batch_bench_end_to_end(tiny_pair, tmp_path):
-    model, speculator = tiny_pair
-    argv = ["bench", "--model", model, "--speculator", speculator, "--batch-sizes", "1,3", "--max-new-tokens", "6",
-            "--output-dir", str(tmp_path)]  # fmt: skip
-    assert cli.main(argv) == 0
-    rows = json.loads((tmp_path / "bench_batch.json").read_text())["results"]
+    rows = run_bench(tiny_pair, tmp_path, "--batch-sizes", "1,3", results="bench_batch.json")
     assert [row["batch_size"] for row in rows] == [1, 3]
     for row in rows:
         assert row["identical"] is True and row["tokens"] == 6 * row["batch_size"]
