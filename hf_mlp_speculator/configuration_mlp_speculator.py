@@ -28,6 +28,11 @@ class MLPSpeculatorConfig(PreTrainedConfig):
             Share `emb`, `head` and `ln` across heads and `proj` across heads 1.. (needs `n_predict > 1`).
         scale_input (`bool`, *optional*, defaults to `False`):
             RMS-normalise the verifier's hidden state (and divide by sqrt(2)) before the first head.
+        draft_vocab_size (`int`, *optional*, defaults to 0):
+            Number of tokens the heads score. `0` (as in every published checkpoint) means all `vocab_size` tokens. A
+            smaller value makes each head's output layer that much cheaper: the heads then score only the tokens
+            whose base ids the checkpoint lists in `speculator.draft_vocab`, and drafts map back to base ids. The
+            verifier still scores the whole vocabulary, so decoding stays lossless.
         base_model_name_or_path (`str`, *optional*):
             The verifier this speculator was trained for.
 
@@ -49,6 +54,7 @@ class MLPSpeculatorConfig(PreTrainedConfig):
     n_candidates: int = 5
     tie_weights: bool = False
     scale_input: bool = False
+    draft_vocab_size: int = 0
     base_model_name_or_path: str | None = None
 
     def __post_init__(self, **kwargs):
@@ -75,16 +81,34 @@ class MLPSpeculatorConfig(PreTrainedConfig):
                 "MLPSpeculatorConfig.top_k_tokens_per_head must hold positive values, "
                 f"got {self.top_k_tokens_per_head}."
             )
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"MLPSpeculatorConfig.draft_vocab_size is {self.draft_vocab_size}, but the draft vocabulary is a subset of "
+                f"the vocabulary of {self.vocab_size} tokens: set at most {self.vocab_size}, or 0 to score the whole "
+                "vocabulary."
+            )
         if self.tie_weights and self.n_predict < 2:
             raise ValueError(
                 "MLPSpeculatorConfig.tie_weights=True needs n_predict > 1 (there is nothing to tie with one head); "
                 "set tie_weights=False."
             )
 
+    def to_dict(self):
+        # A full-vocabulary speculator keeps exactly the published config.json fields, which vLLM and TGI read.
+        output = super().to_dict()
+        if not output.get("draft_vocab_size"):
+            output.pop("draft_vocab_size", None)
+        return output
+
     @property
     def speculator_inner_dim(self) -> int:
         """The width of the speculator's state, resolving the published `inner_dim=0` convention."""
         return self.inner_dim or self.emb_dim
+
+    @property
+    def reduced_draft_vocab(self) -> bool:
+        """Whether the heads score only a subset of the vocabulary (listed in `speculator.draft_vocab`)."""
+        return 0 < self.draft_vocab_size < self.vocab_size
 
 
 __all__ = ["MLPSpeculatorConfig"]

@@ -7,6 +7,8 @@ token, and predicts one more token:
     s = gelu(ln_i(proj_i(s) + alpha * emb_i(token_i)));   logits_i = head_i(s)
 
 Parameter names match the published checkpoints (`speculator.emb.{i}.weight`, ...), which vLLM and TGI read as well.
+A speculator with a reduced draft vocabulary (`config.draft_vocab_size`) adds one tensor, `speculator.draft_vocab`: the
+base ids its heads score.
 """
 
 import math
@@ -52,13 +54,21 @@ class MLPSpeculator(nn.Module):
         super().__init__()
         n, emb_dim, inner_dim, vocab = config.n_predict, config.emb_dim, config.speculator_inner_dim, config.vocab_size
         self.n_predict = n
+        self.vocab_size = vocab
         self.scale_input = config.scale_input
         # With `tie_weights`, MLPSpeculatorPreTrainedModel ties heads 1.. to head 0 (and proj 2.. to proj 1).
         self.emb = nn.ModuleList([nn.Embedding(vocab, inner_dim) for _ in range(n)])
         self.proj = nn.ModuleList(
             [nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False) for i in range(n)]
         )
-        self.head = nn.ModuleList([nn.Linear(inner_dim, vocab, bias=False) for _ in range(n)])
+        # Any token may be the last emitted one, so the embeddings always cover the whole vocabulary; only the heads'
+        # output layers shrink to the draft vocabulary.
+        draft_vocab = config.draft_vocab_size if config.reduced_draft_vocab else vocab
+        self.head = nn.ModuleList([nn.Linear(inner_dim, draft_vocab, bias=False) for _ in range(n)])
+        if config.reduced_draft_vocab:
+            self.register_buffer("draft_vocab", torch.arange(draft_vocab))
+        else:
+            self.draft_vocab = None
         self.ln = nn.ModuleList([MLPSpeculatorLayerNorm(inner_dim) for _ in range(n)])
         # `ln0` has no parameters, hence no checkpoint keys.
         self.ln0 = MLPSpeculatorLayerNorm(emb_dim, elementwise_affine=False) if config.scale_input else None
@@ -75,29 +85,51 @@ class MLPSpeculator(nn.Module):
             hidden_states = self.ln0(hidden_states) / math.sqrt(2)
         return hidden_states
 
-    def step(self, head: int, state: torch.Tensor, input_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs head `head` on `state` and the previous token(s); returns the next state and the head's logits."""
+    def draft_step(
+        self, head: int, state: torch.Tensor, input_ids: torch.LongTensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs head `head` on `state` and the previous token(s); returns the next state and the head's logits over
+        the draft vocabulary."""
         state = torch.add(self.proj[head](state), self.emb[head](input_ids), alpha=self.emb_scale)
         state = self.activation(self.ln[head](state))
         return state, self.head[head](state)
 
+    def step(self, head: int, state: torch.Tensor, input_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft_step` with logits over the whole vocabulary, as drafting needs them: tokens outside the draft
+        vocabulary get `-inf`, i.e. probability 0, so that a sampled draft's distribution is exactly the one used."""
+        state, logits = self.draft_step(head, state, input_ids)
+        if self.draft_vocab is None:
+            return state, logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return state, full.index_copy_(-1, self.draft_vocab, logits)
+
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Teacher-forced logits over the draft vocabulary, `[n_predict, batch, positions, draft vocab]`."""
         num_positions = hidden_states.shape[1]
         state = self.input_state(hidden_states)
         logits = []
         for i in range(self.n_predict):
-            state, head_logits = self.step(i, state, input_ids[:, i : i + num_positions])
+            state, head_logits = self.draft_step(i, state, input_ids[:, i : i + num_positions])
             logits.append(head_logits)
         return torch.stack(logits, dim=0)
+
+    def draft_labels(self, labels: torch.LongTensor) -> torch.LongTensor:
+        """Base-id `labels` as indices into the draft vocabulary; tokens outside it (and -100) become -100."""
+        if self.draft_vocab is None:
+            return labels
+        index = torch.full((self.vocab_size,), -100, dtype=torch.long, device=labels.device)
+        index[self.draft_vocab] = torch.arange(len(self.draft_vocab), device=labels.device)
+        return torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
 
 
 @dataclass
 class MLPSpeculatorOutput(ModelOutput):
     """
     Args:
-        logits (`torch.FloatTensor` of shape `(n_predict, batch_size, sequence_length, vocab_size)`):
+        logits (`torch.FloatTensor` of shape `(n_predict, batch_size, sequence_length, draft_vocab_size)`):
             Head `i`'s logits at position `t` predict the token `i + 2` after `t` (`i + 1` after the token the verifier
-            emitted from position `t`).
+            emitted from position `t`). With a reduced draft vocabulary, entry `j` scores the base token
+            `speculator.draft_vocab[j]`; otherwise `draft_vocab_size` is `vocab_size`.
         loss (`torch.FloatTensor`, *optional*):
             Sum over heads of the mean cross-entropy, when `labels` are given.
         head_losses (`torch.FloatTensor` of shape `(n_predict,)`, *optional*):
@@ -170,7 +202,8 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
                 `input_ids[:, t]` is the token the verifier emitted from position `t`; head `i` reads
                 `input_ids[:, i : i + sequence_length]`.
             labels (`torch.LongTensor` of shape `(n_predict, batch_size, sequence_length)`, *optional*):
-                Targets of each head; `-100` is ignored.
+                Targets of each head, as base token ids; `-100` is ignored, and so are tokens outside a reduced draft
+                vocabulary.
         """
         expected = hidden_states.shape[1] + self.config.n_predict
         if input_ids.shape[1] != expected:
@@ -181,6 +214,7 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
         logits = self.speculator(hidden_states, input_ids)
         loss = head_losses = None
         if labels is not None:
+            labels = self.speculator.draft_labels(labels)
             head_losses = torch.stack(
                 [nn.functional.cross_entropy(x.flatten(0, 1).float(), y.flatten()) for x, y in zip(logits, labels)]
             )
@@ -214,6 +248,13 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
         ignore_mismatched_sizes = kwargs.pop("ignore_mismatched_sizes", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
         problems = []
+        if "speculator.draft_vocab" in info["missing_keys"]:
+            raise ValueError(
+                f"config.json sets draft_vocab_size={model.config.draft_vocab_size}, but the checkpoint has no "
+                "`speculator.draft_vocab` tensor, the base ids its heads score. Re-save the speculator with "
+                "hf_mlp_speculator, which writes it, or set draft_vocab_size to 0 if its heads score the whole "
+                "vocabulary."
+            )
         if info["missing_keys"]:
             problems.append(f"missing key(s) {sorted(info['missing_keys'])}")
         if info["unexpected_keys"]:
@@ -228,6 +269,12 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
         ]
         if model.config.tie_weights and untied:
             problems.append(f"key(s) {sorted(untied)} hold weights of their own although tie_weights=True")
+        draft_vocab = model.speculator.draft_vocab
+        if draft_vocab is not None and not (
+            draft_vocab.unique().numel() == draft_vocab.numel() and 0 <= int(draft_vocab.min())
+            and int(draft_vocab.max()) < model.config.vocab_size
+        ):  # fmt: skip
+            problems.append(f"speculator.draft_vocab must hold distinct ids below vocab_size {model.config.vocab_size}")
         if problems:
             c = model.config
             raise ValueError(

@@ -1,0 +1,96 @@
+"""A reduced draft vocabulary: heads score a subset of the tokens, drafts map back to base ids, decoding stays exact."""
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel
+
+from conftest import HIDDEN, VOCAB, make_prompt, make_verifier
+from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
+
+DRAFT_IDS = torch.tensor([3, 5, 8, 13, 21, 34, 55, 89])
+
+
+def draft_vocab_speculator(n_predict=3, tie_weights=False, seed=1):
+    torch.manual_seed(seed)
+    config = MLPSpeculatorConfig(vocab_size=VOCAB, emb_dim=HIDDEN, inner_dim=48, n_predict=n_predict,
+                                 top_k_tokens_per_head=[2] * n_predict, tie_weights=tie_weights,
+                                 draft_vocab_size=len(DRAFT_IDS))  # fmt: skip
+    speculator = MLPSpeculatorPreTrainedModel(config).eval()
+    speculator.speculator.draft_vocab.copy_(DRAFT_IDS)
+    return speculator
+
+
+def test_step_scores_the_draft_vocabulary_only():
+    speculator = draft_vocab_speculator()
+    heads = speculator.speculator
+    hidden, tokens = torch.randn(2, 1, HIDDEN), torch.randint(0, VOCAB, (2, 4))
+    with torch.no_grad():
+        parallel = speculator(hidden_states=hidden, input_ids=tokens).logits[:, :, 0]
+        state = heads.input_state(hidden[:, 0])
+        for i in range(3):
+            state, logits = heads.step(i, state, tokens[:, i])
+            assert logits.shape == (2, VOCAB)
+            outside = torch.ones(VOCAB, dtype=torch.bool)
+            outside[DRAFT_IDS] = False
+            assert torch.isneginf(logits[:, outside]).all()
+            torch.testing.assert_close(logits[:, DRAFT_IDS], parallel[i])
+            # The same numbers as the head's own weights rows, independently of the package's mapping.
+            expected = state @ heads.head[i].weight.T
+            torch.testing.assert_close(logits[:, DRAFT_IDS], expected)
+
+
+def test_labels_are_mapped_into_the_draft_vocabulary():
+    speculator = draft_vocab_speculator()
+    hidden, tokens = torch.randn(1, 4, HIDDEN), torch.randint(0, VOCAB, (1, 7))
+    labels = torch.tensor([[[5, 89, 4, -100]], [[3, 3, 3, 3]], [[90, 91, 92, 13]]])
+    out = speculator(hidden_states=hidden, input_ids=tokens, labels=labels)
+    # Base ids 5 -> 1, 89 -> 7, 3 -> 0, 13 -> 3; 4, 90, 91, 92 are outside the draft vocabulary and not learned.
+    mapped = [torch.tensor([1, 7]), torch.tensor([0, 0, 0, 0]), torch.tensor([3])]
+    kept = [torch.tensor([0, 1]), torch.arange(4), torch.tensor([3])]
+    expected = [
+        torch.nn.functional.cross_entropy(out.logits[i, 0, kept[i]], mapped[i]) for i in range(3)
+    ]
+    torch.testing.assert_close(out.head_losses, torch.stack(expected))
+
+
+@pytest.mark.parametrize("tie_weights", [False, True])
+def test_save_and_load_round_trip(tmp_path, tie_weights):
+    speculator = draft_vocab_speculator(tie_weights=tie_weights)
+    speculator.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(stored["speculator.draft_vocab"], DRAFT_IDS)
+    assert stored["speculator.head.0.weight"].shape == (len(DRAFT_IDS), 48)
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert loaded.config.draft_vocab_size == len(DRAFT_IDS)
+    assert torch.equal(loaded.speculator.draft_vocab, DRAFT_IDS)
+    for key, value in speculator.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value)
+
+
+def test_missing_index_tensor_names_the_fix(tmp_path):
+    draft_vocab_speculator().save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    del stored["speculator.draft_vocab"]
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"draft_vocab_size=8.*no `speculator.draft_vocab` tensor.*Re-save"):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_index_tensor_out_of_range_is_refused(tmp_path):
+    speculator = draft_vocab_speculator()
+    speculator.speculator.draft_vocab[-1] = VOCAB + 3
+    speculator.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="draft_vocab must hold distinct ids below vocab_size 96"):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_draft_vocab_larger_than_the_vocabulary_names_the_fix():
+    with pytest.raises(StrictDataclassClassValidationError, match=r"draft_vocab_size is 100.*vocabulary of 96 tokens: set at most 96"):
+        MLPSpeculatorConfig(vocab_size=VOCAB, emb_dim=HIDDEN, draft_vocab_size=100)
+
+
+def test_full_vocabulary_config_keeps_the_published_fields(tmp_path):
+    MLPSpeculatorConfig(vocab_size=VOCAB, emb_dim=HIDDEN).save_pretrained(tmp_path)
+    assert "draft_vocab_size" not in (tmp_path / "config.json").read_text()
