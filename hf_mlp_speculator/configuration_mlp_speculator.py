@@ -30,6 +30,9 @@ class MLPSpeculatorConfig(PreTrainedConfig):
             RMS-normalise the verifier's hidden state (and divide by sqrt(2)) before the first head.
         base_model_name_or_path (`str`, *optional*):
             The verifier this speculator was trained for.
+        vocab_padding (`int`, *optional*, defaults to 0):
+            How many of the last ids of `vocab_size` are padding, added by `resize_vocab` for a verifier whose
+            vocabulary is padded past its tokenizer. The heads never draft them: their logits are the dtype's minimum.
 
     ```python
     >>> from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
@@ -50,6 +53,7 @@ class MLPSpeculatorConfig(PreTrainedConfig):
     tie_weights: bool = False
     scale_input: bool = False
     base_model_name_or_path: str | None = None
+    vocab_padding: int = 0
 
     def __post_init__(self, **kwargs):
         if self.top_k_tokens_per_head is None:
@@ -61,6 +65,11 @@ class MLPSpeculatorConfig(PreTrainedConfig):
         for name in ("vocab_size", "emb_dim", "n_candidates"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MLPSpeculatorConfig.{name} must be positive, got {getattr(self, name)}.")
+        if not 0 <= self.vocab_padding < self.vocab_size:
+            raise ValueError(
+                f"MLPSpeculatorConfig.vocab_padding must be between 0 and vocab_size - 1 = {self.vocab_size - 1}, got "
+                f"{self.vocab_padding}."
+            )
         if self.inner_dim < 0:
             raise ValueError(f"MLPSpeculatorConfig.inner_dim must be >= 0 (0 means emb_dim), got {self.inner_dim}.")
         if self.n_predict < 1:

@@ -5,7 +5,7 @@ import torch
 from conftest import HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
-from hf_mlp_speculator import MLPSpeculatorConfig
+from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
 
 
 @pytest.mark.parametrize(
@@ -75,6 +75,36 @@ def test_resize_vocab_pads_losslessly():
     )
     with pytest.raises(ValueError, match="only pads"):
         speculator.resize_vocab(10)
+
+
+def test_resize_vocab_keeps_ties_and_never_drafts_a_padded_id(tmp_path):
+    """Padded ids must never win the argmax nor get sampling mass, even when every real logit is negative."""
+    real = VOCAB - 8
+    speculator = make_speculator(tie_weights=True, vocab_size=real)
+    speculator.resize_vocab(VOCAB)
+    heads = speculator.speculator
+    for modules in (heads.emb, heads.head):
+        assert all(module.weight is modules[0].weight for module in modules)
+    assert not heads.emb[0].weight[real:].any()
+
+    hidden, token = torch.randn(3, HIDDEN), torch.tensor([4, 5, 6])
+    with torch.no_grad():
+        state, _ = heads.step(0, heads.input_state(hidden), token)
+        # Real head rows pointing away from this state: every real logit of the next head is negative.
+        heads.head[1].weight[:real] = -state.mean(0) - 1.0
+        _, logits = heads.step(1, state, token)
+    assert (logits[:, :real] < 0).all()
+    assert (logits.argmax(-1) < real).all()
+    assert (logits.softmax(-1)[:, real:] == 0).all()
+    assert (logits[:, real:] == torch.finfo(logits.dtype).min).all()
+
+    # The padding survives saving and loading.
+    speculator.save_pretrained(tmp_path)
+    loaded = MLPSpeculatorPreTrainedModel.from_pretrained(tmp_path)
+    assert loaded.config.vocab_padding == 8 and loaded.speculator.head[2].weight is loaded.speculator.head[0].weight
+    with torch.no_grad():
+        _, reloaded = loaded.speculator.step(1, state, token)
+    torch.testing.assert_close(reloaded, logits)
 
 
 def test_batch_of_inputs_embeds():
