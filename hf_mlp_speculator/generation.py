@@ -32,8 +32,11 @@ logger = logging.get_logger(__name__)
 _STOCK = {name: getattr(GenerationMixin, name) for name in ("generate", "_get_candidate_generator")}
 
 
-def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, generation_config=None, **kwargs) -> None:
-    """Raises a `ValueError` naming the problem and its fix when `speculator` cannot draft for `model`."""
+def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, generation_config) -> None:
+    """
+    Raises a `ValueError` naming the problem and its fix when `speculator` cannot draft for `model` under
+    `generation_config`, the call's merged generation config.
+    """
     text_config = model.config.get_text_config()
     spec_config = speculator.config
     trained_for = f" (it was trained for {spec_config.base_model_name_or_path})" * bool(
@@ -56,8 +59,7 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
             f"The speculator's vocab_size is {spec_config.vocab_size} but the model's vocab_size is "
             f"{text_config.vocab_size}{trained_for}.{hint}"
         )
-    generation_config = generation_config or model.generation_config
-    num_beams = kwargs.get("num_beams", generation_config.num_beams) or 1
+    num_beams = generation_config.num_beams or 1
     if num_beams > 1:
         raise ValueError(
             f"Beam search (num_beams={num_beams}) cannot use an MLPSpeculator: speculative decoding verifies a single "
@@ -75,7 +77,11 @@ class MLPSpeculatorGenerationMixin:
         speculator = kwargs.get("assistant_model")
         if not isinstance(speculator, MLPSpeculatorPreTrainedModel):
             return _STOCK["generate"](self, *args, **kwargs)
-        check_speculator_fits(self, speculator, **kwargs)
+        # The config the call will run with: from kwargs, a positional or keyword `generation_config`, and the model's.
+        options = dict(kwargs)
+        generation_config = args[1] if len(args) > 1 else options.pop("generation_config", None)
+        merged = self._prepare_generation_config(generation_config, **options)[0]
+        check_speculator_fits(self, speculator, merged)
         # Never leave a previous call's figures behind.
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
         tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}

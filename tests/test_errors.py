@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import GenerationConfig
 
 from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
 
@@ -116,8 +117,22 @@ def test_batch_of_inputs_embeds():
 
 
 def test_beam_search():
-    with pytest.raises(ValueError, match=r"Beam search \(num_beams=3\) cannot use an MLPSpeculator"):
-        make_verifier().generate(make_prompt(), max_new_tokens=4, num_beams=3, assistant_model=make_speculator())
+    """Refused wherever num_beams comes from: kwargs, a positional or keyword generation config, the model's."""
+    verifier, prompt, speculator = make_verifier(), make_prompt(), make_speculator()
+    refused = r"Beam search \(num_beams=3\) cannot use an MLPSpeculator"
+    with pytest.raises(ValueError, match=refused):
+        verifier.generate(prompt, max_new_tokens=4, num_beams=3, assistant_model=speculator)
+    with pytest.raises(ValueError, match=refused):
+        verifier.generate(prompt, GenerationConfig(num_beams=3, max_new_tokens=4), assistant_model=speculator)
+    with pytest.raises(ValueError, match=refused):
+        verifier.generate(prompt, generation_config=GenerationConfig(num_beams=3, max_new_tokens=4),
+                          assistant_model=speculator)  # fmt: skip
+    verifier.generation_config.num_beams = 3
+    with pytest.raises(ValueError, match=refused):
+        verifier.generate(prompt, max_new_tokens=4, assistant_model=speculator)
+    # A call's own num_beams=1 overrides the model's default.
+    expected = verifier.generate(prompt, max_new_tokens=4, num_beams=1)
+    assert torch.equal(verifier.generate(prompt, max_new_tokens=4, num_beams=1, assistant_model=speculator), expected)
 
 
 def test_training_forward_checks_input_length():
