@@ -37,6 +37,18 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
     Raises a `ValueError` naming the problem and its fix when `speculator` cannot draft for `model` under
     `generation_config`, the call's merged generation config.
     """
+    if model.config.is_encoder_decoder:
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model, and an MLPSpeculator drafts from the hidden states "
+            "of a decoder-only model (a causal LM). Use a decoder-only base model, or drop assistant_model."
+        )
+    on_meta = [name for name, param in speculator.named_parameters() if param.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"The speculator's weights are on the meta device (e.g. {on_meta[0]}): they hold no values to draft with. "
+            "Load it with real weights (`AutoModel.from_pretrained(...)` without a meta device_map), or materialise "
+            "it (`speculator.to_empty(device=...)`, then `load_state_dict`)."
+        )
     text_config = model.config.get_text_config()
     spec_config = speculator.config
     trained_for = f" (it was trained for {spec_config.base_model_name_or_path})" * bool(
@@ -64,6 +76,13 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
         raise ValueError(
             f"Beam search (num_beams={num_beams}) cannot use an MLPSpeculator: speculative decoding verifies a single "
             "sequence. Use greedy decoding or sampling (num_beams=1), or drop assistant_model."
+        )
+    num_assistant_tokens = generation_config.num_assistant_tokens
+    if num_assistant_tokens is not None and num_assistant_tokens < 1:
+        raise ValueError(
+            f"num_assistant_tokens={num_assistant_tokens}: an MLPSpeculator drafts with its first "
+            f"num_assistant_tokens heads, so it must be between 1 and n_predict={spec_config.n_predict} (larger "
+            "values mean all heads). To decode without speculation, drop assistant_model."
         )
 
 

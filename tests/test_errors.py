@@ -139,3 +139,30 @@ def test_training_forward_checks_input_length():
     speculator = make_speculator(n_predict=3)
     with pytest.raises(ValueError, match=r"sequence_length \+ n_predict = 8 tokens per row"):
         speculator(hidden_states=torch.zeros(1, 5, HIDDEN), input_ids=torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_encoder_decoder_base_is_refused():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(d_model=HIDDEN, d_ff=128, num_layers=1, num_heads=2, d_kv=32,
+                                             vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0,
+                                             eos_token_id=1)).eval()  # fmt: skip
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder model"):
+        t5.generate(make_prompt(), max_new_tokens=4, assistant_model=make_speculator())
+
+
+def test_speculator_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        speculator = make_speculator()
+    with pytest.raises(ValueError, match=r"weights are on the meta device \(e.g. speculator.emb.0.weight\)"):
+        make_verifier().generate(make_prompt(), max_new_tokens=4, assistant_model=speculator)
+
+
+@pytest.mark.parametrize("num_assistant_tokens", [0, -1])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_num_assistant_tokens_below_one_is_refused(num_assistant_tokens, batch):
+    """0 would silently mean all heads, and a negative count would silently turn drafting off."""
+    prompt = make_prompt().repeat(batch, 1)
+    with pytest.raises(ValueError, match=rf"num_assistant_tokens={num_assistant_tokens}: .* between 1 and n_predict=3"):
+        make_verifier().generate(prompt, max_new_tokens=4, num_assistant_tokens=num_assistant_tokens,
+                                 assistant_model=make_speculator())  # fmt: skip
