@@ -20,7 +20,7 @@ inherit `MLPSpeculatorGenerationMixin` before its transformers base.
 from functools import partial
 from types import MethodType
 
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StopStringCriteria
 from transformers.utils import logging
 
 from .candidate_generator import MLPSpeculatorCandidateGenerator
@@ -107,11 +107,14 @@ class MLPSpeculatorGenerationMixin:
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         if tree or (inputs is not None and inputs.shape[0] > 1):
             del kwargs["assistant_model"]
-            # `generate` does not hand the streamer to a `custom_generate` callable, so it travels with the loop.
-            loop = partial(
+            # `generate` hands a `custom_generate` callable neither the streamer nor the tokenizer, without which it
+            # cannot build the stop-string criterion: both travel with the loop.
+            if merged.stop_strings is not None and kwargs.get("tokenizer") is not None:
+                tree["stop_string_criterion"] = StopStringCriteria(kwargs["tokenizer"], merged.stop_strings)
+                kwargs["stop_strings"] = None  # or generate() would ask for the tokenizer it keeps from the loop
+            kwargs["custom_generate"] = partial(
                 generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None), **tree
             )
-            kwargs["custom_generate"] = loop
         output = _STOCK["generate"](self, *args, **kwargs)
         if speculator.speculation_metrics is not None:
             logger.info(speculator.speculation_metrics)

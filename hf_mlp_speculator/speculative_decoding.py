@@ -30,6 +30,7 @@ from transformers import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     MinPLogitsWarper,
+    StopStringCriteria,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -57,13 +58,17 @@ def generate_speculatively(
     streamer=None,
     n_candidates: int | None = None,
     top_k_tokens_per_head: list[int] | None = None,
+    stop_string_criterion: StopStringCriteria | None = None,
     **model_kwargs,
 ):
     """
     The decoding loop behind `generate(input_ids, attention_mask=..., assistant_model=speculator)` for a batch, and
     behind `generate(..., assistant_model=speculator, n_candidates=..., top_k_tokens_per_head=...)` for trees (either
     argument turns trees on; the other comes from the speculator's config). Returns what `generate()` returns.
+    `stop_string_criterion` is the one `generate()` could not build: it keeps the tokenizer from this loop.
     """
+    if stop_string_criterion is not None:
+        stopping_criteria.append(stop_string_criterion)
     heads, config = speculator.speculator, speculator.config
     num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
     confidence_threshold = generation_config.assistant_confidence_threshold or 0.0

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_speculator, make_verifier
+from tiny_tokenizer import char_tokenizer
 
 LENGTHS = [5, 12, 8, 3]
 
@@ -138,3 +139,24 @@ def test_sliding_window_overflow_is_refused():
     input_ids, attention_mask = ragged_batch([4, 7])
     with pytest.raises(ValueError, match="sliding window of 16"):
         greedy(verifier, input_ids, attention_mask, max_new_tokens=8, assistant_model=make_speculator())
+
+
+def test_stop_strings_on_a_batch_and_a_tree():
+    """generate() keeps the tokenizer from a custom decoding loop; the stop-string criterion must reach it anyway."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    tokenizer = char_tokenizer()
+    plain = greedy(verifier, input_ids, attention_mask, max_new_tokens=16)[:, input_ids.shape[1] :]
+    # A character that one row generates early while another never does, so rows stop at different steps.
+    texts = [tokenizer.decode(row) for row in plain.tolist()]
+    stop = next(c for c in texts[0][2:] if any(c not in text for text in texts))
+    # With an EOS criterion (an id never generated here), plain generate() pads the rows that stopped, as ours does.
+    eos = next(token for token in range(1, VOCAB) if token not in plain)
+    kwargs = dict(max_new_tokens=16, stop_strings=[stop], tokenizer=tokenizer, eos_token_id=eos, pad_token_id=0)
+    expected = greedy(verifier, input_ids, attention_mask, **kwargs)
+    assert (expected[:, -1] == 0).any()  # the stop string did stop a row
+    for tree in ({}, {"n_candidates": 2}):
+        output = greedy(verifier, input_ids, attention_mask, assistant_model=make_speculator(), **kwargs, **tree)
+        assert torch.equal(output, expected)
+        alone = verifier.generate(input_ids[:1], max_new_tokens=16, do_sample=False, stop_strings=[stop],
+                                  tokenizer=tokenizer, assistant_model=make_speculator(), **tree)  # fmt: skip
+        assert tokenizer.decode(alone[0, input_ids.shape[1] :]).endswith(stop)
