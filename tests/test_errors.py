@@ -163,6 +163,7 @@ def test_speculator_on_the_meta_device_is_refused():
 def test_num_assistant_tokens_below_one_is_refused(num_assistant_tokens, batch):
     """0 would silently mean all heads, and a negative count would silently turn drafting off."""
     prompt = make_prompt().repeat(batch, 1)
-    with pytest.raises(ValueError, match=rf"num_assistant_tokens={num_assistant_tokens}: .* between 1 and n_predict=3"):
+    refused = rf"num_assistant_tokens={num_assistant_tokens}: .* between 1 and n_predict=3"
+    with pytest.raises(ValueError, match=refused):
         make_verifier().generate(prompt, max_new_tokens=4, num_assistant_tokens=num_assistant_tokens,
                                  assistant_model=make_speculator())  # fmt: skip
