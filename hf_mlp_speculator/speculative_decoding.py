@@ -95,6 +95,7 @@ def generate_speculatively(
     lengths = torch.full((batch,), prompt_length, device=input_ids.device)
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each row still generating
     metrics = [SpeculationMetrics() for _ in range(batch)]
+    streamed = prompt_length  # columns of `sequences` handed to the streamer
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -137,8 +138,19 @@ def generate_speculatively(
             )
             finished[live] = stop.bool()
         if streamer is not None:
-            streamer.put(tokens[:, : int(kept[0])].cpu())
+            stream(rows[~finished])
         return kept, finished
+
+    def stream(live_rows):
+        """
+        Streams whole batches in their original row order, as plain `generate()` does: the columns that every row
+        still generating has reached (rows that finished show padding), as one `(batch, columns)` chunk.
+        """
+        nonlocal streamed
+        ready = int(lengths[live_rows].min()) if len(live_rows) else int(lengths.max())
+        if ready > streamed:
+            streamer.put(sequences[:, streamed:ready].cpu())
+            streamed = ready
 
     # Prefill: the prompt emits the first token, and the hidden state that emitted it starts the first draft.
     outputs = _forward(model, input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, logits_to_keep=1)

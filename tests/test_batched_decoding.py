@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_speculator, make_verifier
 from tiny_tokenizer import char_tokenizer
+from transformers.generation.streamers import BaseStreamer
 
 LENGTHS = [5, 12, 8, 3]
 
@@ -89,6 +90,38 @@ def test_rows_stop_at_their_own_eos():
         if stop is not None:  # nothing but padding after the row's EOS
             assert output[row, input_ids.shape[1] + stop] == eos
             assert (output[row, input_ids.shape[1] + stop + 1 :] == 0).all()
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value)
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_gets_whole_batches_in_row_order():
+    """As from plain batched generate(): every chunk holds all rows in order; together they are the output."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    plain = greedy(verifier, input_ids, attention_mask, max_new_tokens=20)
+    new_tokens = plain[:, input_ids.shape[1] :].tolist()
+    eos = next(eos for eos in range(1, VOCAB) if 0 < sum(eos in row for row in new_tokens) < len(LENGTHS))  # some rows
+    kwargs = dict(max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
+    plain_streamer, streamer = Collect(), Collect()
+    expected = greedy(verifier, input_ids, attention_mask, streamer=plain_streamer, **kwargs)
+    speculator = make_oracle(verifier, input_ids, 20, attention_mask=attention_mask,
+                             wrong=lambda row, position, head: (position + row + head) % 3 == 0)  # fmt: skip
+    output = greedy(verifier, input_ids, attention_mask, assistant_model=speculator, streamer=streamer, **kwargs)
+    assert torch.equal(output, expected)
+    # Plain generate() streams the prompt, then one (batch,) column per step, padding the rows that finished.
+    assert torch.equal(torch.cat([plain_streamer.chunks[0], *[c[:, None] for c in plain_streamer.chunks[1:]]], 1),
+                       expected)  # fmt: skip
+    assert all(chunk.shape[0] == len(LENGTHS) for chunk in streamer.chunks) and streamer.ended
+    assert torch.equal(torch.cat(streamer.chunks, dim=1), expected)
+    assert len(streamer.chunks) < len(plain_streamer.chunks)  # several tokens per chunk where drafts were accepted
 
 
 def test_each_row_stops_its_chain_at_an_unsure_draft():
