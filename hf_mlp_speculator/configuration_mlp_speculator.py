@@ -4,6 +4,22 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 
+class _VerifiersToken:
+    """
+    The special token ids of a speculator, which drafts in its verifier's vocabulary and has none of its own: equal to
+    any id. transformers' pipeline compares an assistant's bos/eos/pad ids with the model's to decide whether the two
+    share a tokenizer.
+    """
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+    def __repr__(self):
+        return "<the verifier's>"
+
+
 @strict
 class MLPSpeculatorConfig(PreTrainedConfig):
     r"""
@@ -43,6 +59,8 @@ class MLPSpeculatorConfig(PreTrainedConfig):
 
     model_type = "mlp_speculator"
     attribute_map = {"hidden_size": "emb_dim", "tie_word_embeddings": "tie_weights"}
+    # Class attributes, not fields: never saved, and a config that names its own ids still sets them.
+    bos_token_id = eos_token_id = pad_token_id = _VerifiersToken()
 
     vocab_size: int = 32000
     emb_dim: int = 4096

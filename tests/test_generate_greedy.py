@@ -171,3 +171,8 @@ def test_pipeline_with_assistant_model():
     output = generator(text, max_new_tokens=12, do_sample=False, assistant_model=speculator)
     assert output == expected
     assert speculator.speculation_metrics.num_steps > 0
+    # The README's form: the speculator given when the pipeline is built (it has no special tokens of its own).
+    speculator.speculation_metrics = None
+    speculative = pipeline("text-generation", model=verifier, tokenizer=tokenizer, assistant_model=speculator)
+    assert speculative(text, max_new_tokens=12, do_sample=False) == expected
+    assert speculator.speculation_metrics.num_steps > 0
