@@ -17,10 +17,13 @@ Both fall through to transformers unchanged for any other assistant. There are t
 inherit `MLPSpeculatorGenerationMixin` before its transformers base.
 """
 
+import inspect
 from functools import partial
 from types import MethodType
 
+import transformers
 from transformers import GenerationMixin, StopStringCriteria
+from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
 
 from .candidate_generator import MLPSpeculatorCandidateGenerator
@@ -30,6 +33,54 @@ from .speculative_decoding import generate_speculatively
 logger = logging.get_logger(__name__)
 
 _STOCK = {name: getattr(GenerationMixin, name) for name in ("generate", "_get_candidate_generator")}
+
+# The transformers releases the test suite passes on (pyproject.toml pins the same range).
+TESTED_TRANSFORMERS = ">=5.24.0,<5.26"
+
+
+def check_transformers_hooks() -> None:
+    """
+    Raises an `ImportError` naming the tested range when one of the private transformers hooks this package relies on
+    is not as in those releases, so that a changed transformers fails at import rather than midway through generate().
+    """
+
+    def parameters(function):
+        return list(inspect.signature(function).parameters)
+
+    hooks = {
+        "GenerationMixin._get_candidate_generator (overridden with the same positional parameters)": (
+            parameters(_STOCK["_get_candidate_generator"]),
+            ["self", "generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs",
+             "assistant_model", "target_tokenizer", "assistant_tokenizer"],
+        ),  # fmt: skip
+        "GenerationMixin.generate's custom_generate argument (batches and trees run there)": (
+            "custom_generate" in parameters(_STOCK["generate"]),
+            True,
+        ),
+        # generate() calls a custom_generate callable as it calls its own decoding methods, such as _sample.
+        "the decoding-method convention of GenerationMixin._sample": (
+            parameters(GenerationMixin._sample)[:5],
+            ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config"],
+        ),
+        "GenerationMixin._prepare_generation_config (merges a call's generation config)": (
+            parameters(GenerationMixin._prepare_generation_config)[:2],
+            ["self", "generation_config"],
+        ),
+        "CandidateGenerator.requires_model_outputs (drafts read the verifier's hidden states)": (
+            "requires_model_outputs" in vars(CandidateGenerator),
+            True,
+        ),
+    }
+    changed = [name for name, (found, expected) in hooks.items() if found != expected]
+    if changed:
+        raise ImportError(
+            f"hf_mlp_speculator supports transformers{TESTED_TRANSFORMERS}, but transformers "
+            f"{transformers.__version__} changed {'; '.join(changed)}. Install a supported release: "
+            f"pip install 'transformers{TESTED_TRANSFORMERS}'."
+        )
+
+
+check_transformers_hooks()
 
 
 def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, generation_config) -> None:

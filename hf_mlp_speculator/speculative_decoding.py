@@ -24,6 +24,8 @@ Greedy rows are token-identical to plain greedy `generate()` on the same batch. 
 padding changes only the order of floating-point sums, as it does for plain batched `generate()`.
 """
 
+import inspect
+
 import torch
 from transformers import (
     DynamicCache,
@@ -89,7 +91,9 @@ def generate_speculatively(
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
 
     batch, prompt_length = input_ids.shape
-    pad = generation_config._pad_token_tensor
+    pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+    if pad is None:  # plain generate() pads with the first EOS id then
+        pad = eos[0] if isinstance(eos, list) else eos
     sequences = input_ids.new_full((batch, generation_config.max_length), 0 if pad is None else int(pad))
     sequences[:, :prompt_length] = input_ids
     lengths = torch.full((batch,), prompt_length, device=input_ids.device)
@@ -283,7 +287,8 @@ def _at_own_lengths(fn, ids, rows, ends, values=None):
 
 
 def _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep):
-    kwargs = {"logits_to_keep": logits_to_keep} if model._supports_logits_to_keep() else {}
+    takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    kwargs = {"logits_to_keep": logits_to_keep} if takes_logits_to_keep else {}
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                  use_cache=True, output_hidden_states=-1, **kwargs)  # fmt: skip
 
