@@ -6,8 +6,8 @@ work; everything else is transformers' own assisted decoding loop:
 
 - `generate` checks the speculator against the verifier first (transformers' own check of the pair would report a
   vocab mismatch as "different tokenizers" and would quietly ignore the speculator under beam search), routes a
-  batch of several prompts or a request for tree candidates (`n_candidates=` / `top_k_tokens_per_head=`) to our own
-  decoding loop (`speculative_decoding.generate_speculatively`, through `generate`'s `custom_generate` slot, since
+  batch of several sequences (several prompts, or `num_return_sequences > 1`) or a request for tree candidates
+  (`n_candidates=` / `top_k_tokens_per_head=`) to our own decoding loop (`speculative_decoding.generate_speculatively`, through `generate`'s `custom_generate` slot, since
   transformers' assisted decoding verifies one chain for one sequence), then logs the call's metrics;
 - `_get_candidate_generator` returns an `MLPSpeculatorCandidateGenerator` when the assistant is an MLPSpeculator.
 
@@ -156,7 +156,8 @@ class MLPSpeculatorGenerationMixin:
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
         tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        if tree or (inputs is not None and inputs.shape[0] > 1):
+        rows = (1 if inputs is None else inputs.shape[0]) * (merged.num_return_sequences or 1)
+        if tree or rows > 1:
             del kwargs["assistant_model"]
             # `generate` hands a `custom_generate` callable neither the streamer nor the tokenizer, without which it
             # cannot build the stop-string criterion: both travel with the loop.

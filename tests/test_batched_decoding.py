@@ -137,12 +137,27 @@ def test_each_row_stops_its_chain_at_an_unsure_draft():
         assert metrics.head_acceptance_rates[:2] == ([1.0, 0.0] if row % 2 == 0 else [1.0, 1.0])
 
 
-def test_return_dict_and_num_return_sequences():
+def test_return_dict_in_generate():
     verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch([4, 7])
     speculator = make_speculator()
     output = greedy(verifier, input_ids, attention_mask, max_new_tokens=6, assistant_model=speculator,
                     return_dict_in_generate=True)  # fmt: skip
     assert torch.equal(output.sequences, greedy(verifier, input_ids, attention_mask, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("lengths", [[7], [4, 7]])
+def test_num_return_sequences(lengths):
+    """Each prompt's sequences in a row, as plain generate() returns them; top_k=1 makes every sample the greedy one."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch(lengths)
+    speculator = make_oracle(verifier, input_ids, 12, attention_mask=attention_mask,
+                             wrong=lambda row, position, head: (position + head) % 3 == 0)  # fmt: skip
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=1, num_return_sequences=3)
+    output = verifier.generate(input_ids, attention_mask=attention_mask, assistant_model=speculator, **kwargs)
+    assert torch.equal(output, verifier.generate(input_ids, attention_mask=attention_mask, **kwargs))
+    expected = greedy(verifier, input_ids, attention_mask, max_new_tokens=12).repeat_interleave(3, dim=0)
+    assert torch.equal(output, expected)
+    assert len(speculator.speculation_metrics_per_row) == 3 * len(lengths)
+    assert all(m.num_accepted_tokens > 0 for m in speculator.speculation_metrics_per_row)
 
 
 def test_batch_with_processors_matches_plain():
