@@ -18,24 +18,19 @@ from hf_mlp_speculator.generation import check_transformers_hooks
 def test_install_patches_only_the_two_hooks_and_uninstall_restores_them():
     hf_mlp_speculator.uninstall()
     try:
-        assert GenerationMixin.generate is hf_mlp_speculator.generation._STOCK["generate"]
+        stock = hf_mlp_speculator.generation._STOCK
+        assert all(getattr(GenerationMixin, name) is method for name, method in stock.items())
         verifier, prompt = make_verifier(), make_prompt()
         speculator = make_oracle(verifier, prompt, 12)
         expected = verifier.generate(prompt, max_new_tokens=12, do_sample=False)
 
-        # Unpatched transformers cannot use the speculator at all ...
-        try:
-            verifier.generate(prompt, max_new_tokens=12, assistant_model=speculator)
-            raise AssertionError("stock transformers accepted an MLPSpeculator")
-        except AttributeError:
-            pass
-
-        # ... while one enabled model can, and others stay untouched.
+        # One enabled model drafts with the speculator, while other models keep transformers' own methods.
         enable_mlp_speculator(verifier)
         output = verifier.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=speculator)
         assert torch.equal(output, expected)
         assert speculator.speculation_metrics.num_accepted_tokens > 0
-        assert "generate" not in make_verifier().__dict__
+        other = make_verifier()
+        assert all(getattr(other, name).__func__ is method for name, method in stock.items())
     finally:
         hf_mlp_speculator.install()
     assert GenerationMixin.generate is MLPSpeculatorGenerationMixin.generate
