@@ -256,7 +256,8 @@ def _accept_by_rejection_sampling(drafts: DraftTree, scores: torch.FloatTensor, 
     tokens = drafts.tokens[:, 1:]
     p_draft = p[:, :-1].gather(-1, tokens[..., None]).squeeze(-1)
     q_draft = q.gather(-1, tokens[..., None]).squeeze(-1)
-    kept = (torch.rand_like(p_draft) * q_draft <= p_draft) & drafts.valid[:, 1:]
+    # Strictly below: a uniform draw of exactly 0 must not accept a draft the verifier gives no probability.
+    kept = (torch.rand_like(p_draft) * q_draft < p_draft) & drafts.valid[:, 1:]
     accepted = kept.long().cumprod(dim=-1).sum(dim=-1)
     p_next = p[rows, accepted]
     rejected = accepted < num_drafts
