@@ -7,8 +7,9 @@ work; everything else is transformers' own assisted decoding loop:
 - `generate` checks the speculator against the verifier first (transformers' own check of the pair would report a
   vocab mismatch as "different tokenizers" and would quietly ignore the speculator under beam search), routes a
   batch of several sequences (several prompts, or `num_return_sequences > 1`) or a request for tree candidates
-  (`n_candidates=` / `top_k_tokens_per_head=`) to our own decoding loop (`speculative_decoding.generate_speculatively`, through `generate`'s `custom_generate` slot, since
-  transformers' assisted decoding verifies one chain for one sequence), then logs the call's metrics;
+  (`n_candidates=` / `top_k_tokens_per_head=`) to our own decoding loop (`speculative_decoding.generate_speculatively`,
+  through `generate`'s `custom_generate` slot, since transformers' assisted decoding verifies one chain for one
+  sequence), then logs the call's metrics;
 - `_get_candidate_generator` returns an `MLPSpeculatorCandidateGenerator` when the assistant is an MLPSpeculator.
 
 Both fall through to transformers unchanged for any other assistant. There are three ways to use them:
@@ -161,12 +162,14 @@ class MLPSpeculatorGenerationMixin:
             del kwargs["assistant_model"]
             # `generate` hands a `custom_generate` callable neither the streamer nor the tokenizer, without which it
             # cannot build the stop-string criterion: both travel with the loop.
+            stop_strings = None
             if merged.stop_strings is not None and kwargs.get("tokenizer") is not None:
-                tree["stop_string_criterion"] = StopStringCriteria(kwargs["tokenizer"], merged.stop_strings)
+                stop_strings = StopStringCriteria(kwargs["tokenizer"], merged.stop_strings)
                 kwargs["stop_strings"] = None  # or generate() would ask for the tokenizer it keeps from the loop
             kwargs["custom_generate"] = partial(
-                generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None), **tree
-            )
+                generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None),
+                stop_string_criterion=stop_strings, **tree,
+            )  # fmt: skip
         output = _STOCK["generate"](self, *args, **kwargs)
         if speculator.speculation_metrics is not None:
             logger.info(speculator.speculation_metrics)

@@ -147,7 +147,7 @@ def test_return_dict_in_generate():
 
 @pytest.mark.parametrize("lengths", [[7], [4, 7]])
 def test_num_return_sequences(lengths):
-    """Each prompt's sequences in a row, as plain generate() returns them; top_k=1 makes every sample the greedy one."""
+    """Each prompt's sequences in a row, as from plain generate(); top_k=1 makes every sample the greedy one."""
     verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch(lengths)
     speculator = make_oracle(verifier, input_ids, 12, attention_mask=attention_mask,
                              wrong=lambda row, position, head: (position + head) % 3 == 0)  # fmt: skip
