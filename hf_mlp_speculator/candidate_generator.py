@@ -48,6 +48,11 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.num_drafted = 0  # drafts of the round now being verified; 0 during prefill
         self.in_prefill = True
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most drafts a round holds; transformers 5.25's assisted decoding sizes its cache rollback by it."""
+        return self.num_heads
+
     def get_candidates(
         self,
         input_ids: torch.LongTensor,

@@ -6,9 +6,10 @@ work; everything else is transformers' own assisted decoding loop:
 
 - `generate` checks the speculator against the verifier first (transformers' own check of the pair would report a
   vocab mismatch as "different tokenizers" and would quietly ignore the speculator under beam search), routes a
-  batch of several prompts or a request for tree candidates (`n_candidates=` / `top_k_tokens_per_head=`) to our own
-  decoding loop (`speculative_decoding.generate_speculatively`, through `generate`'s `custom_generate` slot, since
-  transformers' assisted decoding verifies one chain for one sequence), then logs the call's metrics;
+  batch of several sequences (several prompts, or `num_return_sequences > 1`) or a request for tree candidates
+  (`n_candidates=` / `top_k_tokens_per_head=`) to our own decoding loop (`speculative_decoding.generate_speculatively`,
+  through `generate`'s `custom_generate` slot, since transformers' assisted decoding verifies one chain for one
+  sequence), then logs the call's metrics;
 - `_get_candidate_generator` returns an `MLPSpeculatorCandidateGenerator` when the assistant is an MLPSpeculator.
 
 Both fall through to transformers unchanged for any other assistant. There are three ways to use them:
@@ -17,10 +18,13 @@ Both fall through to transformers unchanged for any other assistant. There are t
 inherit `MLPSpeculatorGenerationMixin` before its transformers base.
 """
 
+import inspect
 from functools import partial
 from types import MethodType
 
-from transformers import GenerationMixin
+import transformers
+from transformers import GenerationMixin, StopStringCriteria
+from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
 
 from .candidate_generator import MLPSpeculatorCandidateGenerator
@@ -31,9 +35,72 @@ logger = logging.get_logger(__name__)
 
 _STOCK = {name: getattr(GenerationMixin, name) for name in ("generate", "_get_candidate_generator")}
 
+# The transformers releases the test suite passes on (pyproject.toml pins the same range).
+TESTED_TRANSFORMERS = ">=5.24.0,<5.26"
 
-def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, generation_config=None, **kwargs) -> None:
-    """Raises a `ValueError` naming the problem and its fix when `speculator` cannot draft for `model`."""
+
+def check_transformers_hooks() -> None:
+    """
+    Raises an `ImportError` naming the tested range when one of the private transformers hooks this package relies on
+    is not as in those releases, so that a changed transformers fails at import rather than midway through generate().
+    """
+
+    def parameters(function):
+        return list(inspect.signature(function).parameters)
+
+    hooks = {
+        "GenerationMixin._get_candidate_generator (overridden with the same positional parameters)": (
+            parameters(_STOCK["_get_candidate_generator"]),
+            ["self", "generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs",
+             "assistant_model", "target_tokenizer", "assistant_tokenizer"],
+        ),  # fmt: skip
+        "GenerationMixin.generate's custom_generate argument (batches and trees run there)": (
+            "custom_generate" in parameters(_STOCK["generate"]),
+            True,
+        ),
+        # generate() calls a custom_generate callable as it calls its own decoding methods, such as _sample.
+        "the decoding-method convention of GenerationMixin._sample": (
+            parameters(GenerationMixin._sample)[:5],
+            ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config"],
+        ),
+        "GenerationMixin._prepare_generation_config (merges a call's generation config)": (
+            parameters(GenerationMixin._prepare_generation_config)[:2],
+            ["self", "generation_config"],
+        ),
+        "CandidateGenerator.requires_model_outputs (drafts read the verifier's hidden states)": (
+            "requires_model_outputs" in vars(CandidateGenerator),
+            True,
+        ),
+    }
+    changed = [name for name, (found, expected) in hooks.items() if found != expected]
+    if changed:
+        raise ImportError(
+            f"hf_mlp_speculator supports transformers{TESTED_TRANSFORMERS}, but transformers "
+            f"{transformers.__version__} changed {'; '.join(changed)}. Install a supported release: "
+            f"pip install 'transformers{TESTED_TRANSFORMERS}'."
+        )
+
+
+check_transformers_hooks()
+
+
+def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, generation_config) -> None:
+    """
+    Raises a `ValueError` naming the problem and its fix when `speculator` cannot draft for `model` under
+    `generation_config`, the call's merged generation config.
+    """
+    if model.config.is_encoder_decoder:
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model, and an MLPSpeculator drafts from the hidden states "
+            "of a decoder-only model (a causal LM). Use a decoder-only base model, or drop assistant_model."
+        )
+    on_meta = [name for name, param in speculator.named_parameters() if param.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"The speculator's weights are on the meta device (e.g. {on_meta[0]}): they hold no values to draft with. "
+            "Load it with real weights (`AutoModel.from_pretrained(...)` without a meta device_map), or materialise "
+            "it (`speculator.to_empty(device=...)`, then `load_state_dict`)."
+        )
     text_config = model.config.get_text_config()
     spec_config = speculator.config
     trained_for = f" (it was trained for {spec_config.base_model_name_or_path})" * bool(
@@ -56,12 +123,18 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
             f"The speculator's vocab_size is {spec_config.vocab_size} but the model's vocab_size is "
             f"{text_config.vocab_size}{trained_for}.{hint}"
         )
-    generation_config = generation_config or model.generation_config
-    num_beams = kwargs.get("num_beams", generation_config.num_beams) or 1
+    num_beams = generation_config.num_beams or 1
     if num_beams > 1:
         raise ValueError(
             f"Beam search (num_beams={num_beams}) cannot use an MLPSpeculator: speculative decoding verifies a single "
             "sequence. Use greedy decoding or sampling (num_beams=1), or drop assistant_model."
+        )
+    num_assistant_tokens = generation_config.num_assistant_tokens
+    if num_assistant_tokens is not None and num_assistant_tokens < 1:
+        raise ValueError(
+            f"num_assistant_tokens={num_assistant_tokens}: an MLPSpeculator drafts with its first "
+            f"num_assistant_tokens heads, so it must be between 1 and n_predict={spec_config.n_predict} (larger "
+            "values mean all heads). To decode without speculation, drop assistant_model."
         )
 
 
@@ -75,18 +148,28 @@ class MLPSpeculatorGenerationMixin:
         speculator = kwargs.get("assistant_model")
         if not isinstance(speculator, MLPSpeculatorPreTrainedModel):
             return _STOCK["generate"](self, *args, **kwargs)
-        check_speculator_fits(self, speculator, **kwargs)
+        # The config the call will run with: from kwargs, a positional or keyword `generation_config`, and the model's.
+        options = dict(kwargs)
+        generation_config = args[1] if len(args) > 1 else options.pop("generation_config", None)
+        merged = self._prepare_generation_config(generation_config, **options)[0]
+        check_speculator_fits(self, speculator, merged)
         # Never leave a previous call's figures behind.
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
         tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        if tree or (inputs is not None and inputs.shape[0] > 1):
+        rows = (1 if inputs is None else inputs.shape[0]) * (merged.num_return_sequences or 1)
+        if tree or rows > 1:
             del kwargs["assistant_model"]
-            # `generate` does not hand the streamer to a `custom_generate` callable, so it travels with the loop.
-            loop = partial(
-                generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None), **tree
-            )
-            kwargs["custom_generate"] = loop
+            # `generate` hands a `custom_generate` callable neither the streamer nor the tokenizer, without which it
+            # cannot build the stop-string criterion: both travel with the loop.
+            stop_strings = None
+            if merged.stop_strings is not None and kwargs.get("tokenizer") is not None:
+                stop_strings = StopStringCriteria(kwargs["tokenizer"], merged.stop_strings)
+                kwargs["stop_strings"] = None  # or generate() would ask for the tokenizer it keeps from the loop
+            kwargs["custom_generate"] = partial(
+                generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None),
+                stop_string_criterion=stop_strings, **tree,
+            )  # fmt: skip
         output = _STOCK["generate"](self, *args, **kwargs)
         if speculator.speculation_metrics is not None:
             logger.info(speculator.speculation_metrics)

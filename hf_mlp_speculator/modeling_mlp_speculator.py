@@ -56,6 +56,7 @@ class MLPSpeculator(nn.Module):
         self.n_predict = n
         self.vocab_size = vocab
         self.scale_input = config.scale_input
+        self.vocab_padding = config.vocab_padding  # the last ids, never drafted (see `resize_vocab`)
         # With `tie_weights`, MLPSpeculatorPreTrainedModel ties heads 1.. to head 0 (and proj 2.. to proj 1).
         self.emb = nn.ModuleList([nn.Embedding(vocab, inner_dim) for _ in range(n)])
         self.proj = nn.ModuleList(
@@ -92,7 +93,12 @@ class MLPSpeculator(nn.Module):
         the draft vocabulary."""
         state = torch.add(self.proj[head](state), self.emb[head](input_ids), alpha=self.emb_scale)
         state = self.activation(self.ln[head](state))
-        return state, self.head[head](state)
+        logits = self.head[head](state)
+        if self.vocab_padding:
+            # The dtype's minimum rather than -inf: no argmax picks it and softmax gives it exactly zero mass, while
+            # arithmetic on it (temperature, penalties, log_softmax) stays finite.
+            logits[..., -self.vocab_padding :] = torch.finfo(logits.dtype).min
+        return state, logits
 
     def step(self, head: int, state: torch.Tensor, input_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`draft_step` with logits over the whole vocabulary, as drafting needs them: tokens outside the draft
@@ -225,19 +231,26 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
     def resize_vocab(self, vocab_size: int) -> None:
         """
         Pads the vocabulary to `vocab_size`, for a verifier whose embedding matrix is padded past its tokenizer. The
-        new ids get zero embeddings and zero logits; a draft of one is simply rejected, so decoding stays lossless.
+        new ids get zero embeddings and are never drafted (`config.vocab_padding`, kept by `save_pretrained`, masks
+        their logits); tied weights stay tied.
         """
         if vocab_size < self.config.vocab_size:
             raise ValueError(f"resize_vocab only pads: {vocab_size} < vocab_size {self.config.vocab_size}.")
-        for module in {*self.speculator.emb, *self.speculator.head}:
-            padded = module.weight.new_zeros(vocab_size, module.weight.shape[1])
-            padded[: module.weight.shape[0]] = module.weight
-            module.weight = nn.Parameter(padded)
+        padded = {}  # one new parameter per old one, so that modules sharing a weight (tie_weights) still share it
+        for module in (*self.speculator.emb, *self.speculator.head):
+            weight = module.weight
+            if id(weight) not in padded:
+                new = weight.new_zeros(vocab_size, weight.shape[1])
+                new[: weight.shape[0]] = weight
+                padded[id(weight)] = nn.Parameter(new, requires_grad=weight.requires_grad)
+            module.weight = padded[id(weight)]
             if isinstance(module, nn.Embedding):
                 module.num_embeddings = vocab_size
             else:
                 module.out_features = vocab_size
+        self.config.vocab_padding += vocab_size - self.config.vocab_size
         self.config.vocab_size = vocab_size
+        self.speculator.vocab_padding = self.config.vocab_padding
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

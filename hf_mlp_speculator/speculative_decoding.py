@@ -24,12 +24,15 @@ Greedy rows are token-identical to plain greedy `generate()` on the same batch. 
 padding changes only the order of floating-point sums, as it does for plain batched `generate()`.
 """
 
+import inspect
+
 import torch
 from transformers import (
     DynamicCache,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     MinPLogitsWarper,
+    StopStringCriteria,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -57,13 +60,17 @@ def generate_speculatively(
     streamer=None,
     n_candidates: int | None = None,
     top_k_tokens_per_head: list[int] | None = None,
+    stop_string_criterion: StopStringCriteria | None = None,
     **model_kwargs,
 ):
     """
     The decoding loop behind `generate(input_ids, attention_mask=..., assistant_model=speculator)` for a batch, and
     behind `generate(..., assistant_model=speculator, n_candidates=..., top_k_tokens_per_head=...)` for trees (either
     argument turns trees on; the other comes from the speculator's config). Returns what `generate()` returns.
+    `stop_string_criterion` is the one `generate()` could not build: it keeps the tokenizer from this loop.
     """
+    if stop_string_criterion is not None:
+        stopping_criteria.append(stop_string_criterion)
     heads, config = speculator.speculator, speculator.config
     num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
     confidence_threshold = generation_config.assistant_confidence_threshold or 0.0
@@ -84,12 +91,15 @@ def generate_speculatively(
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
 
     batch, prompt_length = input_ids.shape
-    pad = generation_config._pad_token_tensor
+    pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+    if pad is None:  # plain generate() pads with the first EOS id then
+        pad = eos[0] if isinstance(eos, list) else eos
     sequences = input_ids.new_full((batch, generation_config.max_length), 0 if pad is None else int(pad))
     sequences[:, :prompt_length] = input_ids
     lengths = torch.full((batch,), prompt_length, device=input_ids.device)
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each row still generating
     metrics = [SpeculationMetrics() for _ in range(batch)]
+    streamed = prompt_length  # columns of `sequences` handed to the streamer
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -132,8 +142,19 @@ def generate_speculatively(
             )
             finished[live] = stop.bool()
         if streamer is not None:
-            streamer.put(tokens[:, : int(kept[0])].cpu())
+            stream(rows[~finished])
         return kept, finished
+
+    def stream(live_rows):
+        """
+        Streams whole batches in their original row order, as plain `generate()` does: the columns that every row
+        still generating has reached (rows that finished show padding), as one `(batch, columns)` chunk.
+        """
+        nonlocal streamed
+        ready = int(lengths[live_rows].min()) if len(live_rows) else int(lengths.max())
+        if ready > streamed:
+            streamer.put(sequences[:, streamed:ready].cpu())
+            streamed = ready
 
     # Prefill: the prompt emits the first token, and the hidden state that emitted it starts the first draft.
     outputs = _forward(model, input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, logits_to_keep=1)
@@ -235,7 +256,8 @@ def _accept_by_rejection_sampling(drafts: DraftTree, scores: torch.FloatTensor, 
     tokens = drafts.tokens[:, 1:]
     p_draft = p[:, :-1].gather(-1, tokens[..., None]).squeeze(-1)
     q_draft = q.gather(-1, tokens[..., None]).squeeze(-1)
-    kept = (torch.rand_like(p_draft) * q_draft <= p_draft) & drafts.valid[:, 1:]
+    # Strictly below: a uniform draw of exactly 0 must not accept a draft the verifier gives no probability.
+    kept = (torch.rand_like(p_draft) * q_draft < p_draft) & drafts.valid[:, 1:]
     accepted = kept.long().cumprod(dim=-1).sum(dim=-1)
     p_next = p[rows, accepted]
     rejected = accepted < num_drafts
@@ -266,7 +288,8 @@ def _at_own_lengths(fn, ids, rows, ends, values=None):
 
 
 def _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep):
-    kwargs = {"logits_to_keep": logits_to_keep} if model._supports_logits_to_keep() else {}
+    takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    kwargs = {"logits_to_keep": logits_to_keep} if takes_logits_to_keep else {}
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                  use_cache=True, output_hidden_states=-1, **kwargs)  # fmt: skip
 

@@ -51,7 +51,8 @@ def make_verifier(arch: str = "llama", seed: int = 0):
 
 def make_speculator(n_predict=3, tie_weights=False, scale_input=False, inner_dim=48, seed=1, **kwargs):
     torch.manual_seed(seed)
-    config = MLPSpeculatorConfig(vocab_size=VOCAB, emb_dim=HIDDEN, inner_dim=inner_dim, n_predict=n_predict,
+    kwargs.setdefault("vocab_size", VOCAB)
+    config = MLPSpeculatorConfig(emb_dim=HIDDEN, inner_dim=inner_dim, n_predict=n_predict,
                                  top_k_tokens_per_head=[2] * n_predict, tie_weights=tie_weights,
                                  scale_input=scale_input, **kwargs)  # fmt: skip
     return MLPSpeculatorPreTrainedModel(config).eval()

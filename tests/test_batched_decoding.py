@@ -3,6 +3,8 @@
 import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_speculator, make_verifier
+from tiny_tokenizer import char_tokenizer
+from transformers.generation.streamers import BaseStreamer
 
 LENGTHS = [5, 12, 8, 3]
 
@@ -90,6 +92,38 @@ def test_rows_stop_at_their_own_eos():
             assert (output[row, input_ids.shape[1] + stop + 1 :] == 0).all()
 
 
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value)
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_gets_whole_batches_in_row_order():
+    """As from plain batched generate(): every chunk holds all rows in order; together they are the output."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    plain = greedy(verifier, input_ids, attention_mask, max_new_tokens=20)
+    new_tokens = plain[:, input_ids.shape[1] :].tolist()
+    eos = next(eos for eos in range(1, VOCAB) if 0 < sum(eos in row for row in new_tokens) < len(LENGTHS))  # some rows
+    kwargs = dict(max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
+    plain_streamer, streamer = Collect(), Collect()
+    expected = greedy(verifier, input_ids, attention_mask, streamer=plain_streamer, **kwargs)
+    speculator = make_oracle(verifier, input_ids, 20, attention_mask=attention_mask,
+                             wrong=lambda row, position, head: (position + row + head) % 3 == 0)  # fmt: skip
+    output = greedy(verifier, input_ids, attention_mask, assistant_model=speculator, streamer=streamer, **kwargs)
+    assert torch.equal(output, expected)
+    # Plain generate() streams the prompt, then one (batch,) column per step, padding the rows that finished.
+    assert torch.equal(torch.cat([plain_streamer.chunks[0], *[c[:, None] for c in plain_streamer.chunks[1:]]], 1),
+                       expected)  # fmt: skip
+    assert all(chunk.shape[0] == len(LENGTHS) for chunk in streamer.chunks) and streamer.ended
+    assert torch.equal(torch.cat(streamer.chunks, dim=1), expected)
+    assert len(streamer.chunks) < len(plain_streamer.chunks)  # several tokens per chunk where drafts were accepted
+
+
 def test_each_row_stops_its_chain_at_an_unsure_draft():
     """`assistant_confidence_threshold` per row: head 1 is unsure (p = 0.73) on even rows only."""
     verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
@@ -103,12 +137,27 @@ def test_each_row_stops_its_chain_at_an_unsure_draft():
         assert metrics.head_acceptance_rates[:2] == ([1.0, 0.0] if row % 2 == 0 else [1.0, 1.0])
 
 
-def test_return_dict_and_num_return_sequences():
+def test_return_dict_in_generate():
     verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch([4, 7])
     speculator = make_speculator()
     output = greedy(verifier, input_ids, attention_mask, max_new_tokens=6, assistant_model=speculator,
                     return_dict_in_generate=True)  # fmt: skip
     assert torch.equal(output.sequences, greedy(verifier, input_ids, attention_mask, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("lengths", [[7], [4, 7]])
+def test_num_return_sequences(lengths):
+    """Each prompt's sequences in a row, as from plain generate(); top_k=1 makes every sample the greedy one."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch(lengths)
+    speculator = make_oracle(verifier, input_ids, 12, attention_mask=attention_mask,
+                             wrong=lambda row, position, head: (position + head) % 3 == 0)  # fmt: skip
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=1, num_return_sequences=3)
+    output = verifier.generate(input_ids, attention_mask=attention_mask, assistant_model=speculator, **kwargs)
+    assert torch.equal(output, verifier.generate(input_ids, attention_mask=attention_mask, **kwargs))
+    expected = greedy(verifier, input_ids, attention_mask, max_new_tokens=12).repeat_interleave(3, dim=0)
+    assert torch.equal(output, expected)
+    assert len(speculator.speculation_metrics_per_row) == 3 * len(lengths)
+    assert all(m.num_accepted_tokens > 0 for m in speculator.speculation_metrics_per_row)
 
 
 def test_batch_with_processors_matches_plain():
@@ -138,3 +187,24 @@ def test_sliding_window_overflow_is_refused():
     input_ids, attention_mask = ragged_batch([4, 7])
     with pytest.raises(ValueError, match="sliding window of 16"):
         greedy(verifier, input_ids, attention_mask, max_new_tokens=8, assistant_model=make_speculator())
+
+
+def test_stop_strings_on_a_batch_and_a_tree():
+    """generate() keeps the tokenizer from a custom decoding loop; the stop-string criterion must reach it anyway."""
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()
+    tokenizer = char_tokenizer()
+    plain = greedy(verifier, input_ids, attention_mask, max_new_tokens=16)[:, input_ids.shape[1] :]
+    # A character that one row generates early while another never does, so rows stop at different steps.
+    texts = [tokenizer.decode(row) for row in plain.tolist()]
+    stop = next(c for c in texts[0][2:] if any(c not in text for text in texts))
+    # With an EOS criterion (an id never generated here), plain generate() pads the rows that stopped, as ours does.
+    eos = next(token for token in range(1, VOCAB) if token not in plain)
+    kwargs = dict(max_new_tokens=16, stop_strings=[stop], tokenizer=tokenizer, eos_token_id=eos, pad_token_id=0)
+    expected = greedy(verifier, input_ids, attention_mask, **kwargs)
+    assert (expected[:, -1] == 0).any()  # the stop string did stop a row
+    for tree in ({}, {"n_candidates": 2}):
+        output = greedy(verifier, input_ids, attention_mask, assistant_model=make_speculator(), **kwargs, **tree)
+        assert torch.equal(output, expected)
+        alone = verifier.generate(input_ids[:1], max_new_tokens=16, do_sample=False, stop_strings=[stop],
+                                  tokenizer=tokenizer, assistant_model=make_speculator(), **tree)  # fmt: skip
+        assert tokenizer.decode(alone[0, input_ids.shape[1] :]).endswith(stop)

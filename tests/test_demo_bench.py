@@ -1,14 +1,17 @@
 """The demo's and the benchmark's measurements: token counting, latency and speedup arithmetic, and both commands end
 to end on a tiny random model pair."""
 
+import functools
 import json
-import math
 import re
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import make_oracle, make_prompt, make_speculator, make_verifier
 from tiny_tokenizer import char_tokenizer
+from transformers import LlamaForCausalLM
 
 from hf_mlp_speculator import SpeculationMetrics, cli
 from hf_mlp_speculator.bench import (
@@ -19,7 +22,33 @@ from hf_mlp_speculator.bench import (
     summarize,
 )
 from hf_mlp_speculator.data import left_padded
+from hf_mlp_speculator.modeling_mlp_speculator import MLPSpeculator
 from hf_mlp_speculator.timing import GenerationRun, load_pair, token_latencies
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """
+    A clock (`time.perf_counter`) that only the tiny Llama verifier's forwards and the draft heads move: a forward
+    over `m` new tokens takes `clock.forward(m)` seconds (1 s unless set), a head step `clock.head` seconds (0 unless
+    set). What the demo and the benchmark measure under it is known exactly, independently of their own arithmetic.
+    """
+    clock = SimpleNamespace(now=0.0, forward=lambda new_tokens: 1.0, head=0.0)
+    forward, step = LlamaForCausalLM.forward, MLPSpeculator.step
+
+    @functools.wraps(forward)
+    def timed_forward(self, *args, **kwargs):
+        clock.now += clock.forward((args[0] if args else kwargs["input_ids"]).shape[1])
+        return forward(self, *args, **kwargs)
+
+    def timed_step(self, *args, **kwargs):
+        clock.now += clock.head
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", timed_forward)
+    monkeypatch.setattr(MLPSpeculator, "step", timed_step)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.now)
+    return clock
 
 
 def test_token_latencies_share_each_forward_among_its_tokens():
@@ -45,7 +74,7 @@ def test_merged_metrics_equal_one_call_with_all_the_steps():
     assert merged.head_acceptance_rates == pytest.approx([3 / 4, 1 / 3, 1 / 2])
 
 
-def test_speed_counts_tokens_not_chunks():
+def test_speed_counts_tokens_not_chunks(clock):
     verifier, prompt = make_verifier(), make_prompt()
     oracle = make_oracle(verifier, prompt, num_tokens=12)  # every draft right: 4 tokens per verify forward
     plain, speculative = GenerationRun("plain"), GenerationRun("speculative")
@@ -54,10 +83,12 @@ def test_speed_counts_tokens_not_chunks():
 
     assert plain.outputs == speculative.outputs and plain.num_tokens == speculative.num_tokens == 12
     assert plain.chunk_sizes == [1] * 12 and plain.tokens_per_step == 1
-    # Prefill emits 1 token, then 11 tokens in forwards of 4, 4 and 3.
+    # Prefill emits 1 token, then 11 tokens in forwards of 4, 4 and 3: 4 forwards of 1 s for 12 tokens.
     assert speculative.chunk_sizes == [1, 4, 4, 3] and speculative.tokens_per_step == 3
-    assert speculative.tokens_per_second == pytest.approx(12 / speculative.seconds)
-    assert len(speculative.latencies) == 12 and sum(speculative.latencies) <= speculative.seconds
+    assert (plain.seconds, speculative.seconds) == (12.0, 4.0)
+    assert (plain.tokens_per_second, speculative.tokens_per_second) == (1.0, 3.0)
+    assert plain.latencies == [1.0] * 12
+    assert speculative.latencies == pytest.approx([1.0] + [0.25] * 8 + [1 / 3] * 3)
     assert speculative.speculation_metrics.draft_acceptance_rate == 1.0
 
 
@@ -115,7 +146,7 @@ def run_bench(tiny_pair, output_dir, *flags, results="bench.json") -> list[dict]
     return json.loads((output_dir / results).read_text())["results"]
 
 
-def test_bench_end_to_end(tiny_pair, tmp_path):
+def test_bench_end_to_end(tiny_pair, tmp_path, clock):
     results = run_bench(tiny_pair, tmp_path, "--num-prompts", "2")
     rows = {row["mode"]: row for row in results}
     assert list(rows) == ["plain greedy", "prompt lookup", "speculator k=1", "speculator k=2", "speculator k=3",
@@ -127,7 +158,12 @@ def test_bench_end_to_end(tiny_pair, tmp_path):
         # Lossless: every head count reproduces plain greedy decoding (tiny models never emit an end token).
         assert row["identical_to_baseline"] is True and row["tokens"] == 12
         assert len(row["head_acceptance_rates"]) == k and 0 <= row["acceptance_rate"] <= 1
-        assert row["speedup"] == pytest.approx(row["tokens_per_second"] / rows["plain greedy"]["tokens_per_second"])
+    # Every forward takes 1 s and emits one chunk, and plain decoding emits 1 token per forward: each mode's tokens/s
+    # and speedup are its tokens per forward, counted from the chunks the streamer saw.
+    for row in results:
+        assert row["tokens_per_second"] == pytest.approx(row["tokens_per_step"])
+        assert row["speedup"] == pytest.approx(row["tokens_per_step"])
+        assert row["seconds"] == pytest.approx(row["tokens"] / row["tokens_per_step"])
     assert rows["speculative sampling k=3"]["baseline"] == "plain sampling"
     assert rows["speculative sampling k=3"]["acceptance_rate"] is not None
     table = (tmp_path / "bench.md").read_text()
@@ -147,26 +183,31 @@ def test_left_padding_and_token_counts():
     assert new_tokens_per_row(sequences, 3, eos_token_ids=[1]) == [2, 4]  # up to and including the first EOS
 
 
-def test_batch_bench_end_to_end(tiny_pair, tmp_path):
+def test_batch_bench_end_to_end(tiny_pair, tmp_path, clock):
     rows = run_bench(tiny_pair, tmp_path, "--batch-sizes", "1,3", results="bench_batch.json")
     assert [row["batch_size"] for row in rows] == [1, 3]
     for row in rows:
         assert row["identical"] is True and row["tokens"] == 6 * row["batch_size"]
-        assert row["speedup"] == pytest.approx(row["speculative_tokens_per_second"] / row["plain_tokens_per_second"])
-        assert row["plain_per_user_tokens_per_second"] == pytest.approx(
-            row["plain_tokens_per_second"] / row["batch_size"]
-        )
+        # Plain decoding: 6 forwards of 1 s, one token per row each.
+        assert row["plain_tokens_per_second"] == pytest.approx(row["batch_size"])
+        assert row["plain_per_user_tokens_per_second"] == pytest.approx(1.0)
+        # Speculative decoding: a whole number of 1-s forwards (prefill, then one per step), at most plain's 6.
+        forwards = row["tokens"] / row["speculative_tokens_per_second"]
+        assert forwards == pytest.approx(round(forwards)) and 1 <= round(forwards) <= 6
+        assert row["speedup"] == pytest.approx(6 / round(forwards))
+        assert row["speculative_per_user_tokens_per_second"] == pytest.approx(6 / round(forwards))
     assert "| 3 |" in (tmp_path / "bench_batch.md").read_text()
 
 
-def test_verify_cost_ratios(tiny_pair, tmp_path):
+def test_verify_cost_ratios(tiny_pair, tmp_path, clock):
     model, _, speculator = load_pair(*tiny_pair)
+    clock.forward = lambda new_tokens: 0.050 + 0.010 * new_tokens  # 60 ms for one token, 10 ms more per token
+    clock.head = 0.005
     cost = measure_verify_cost(model, speculator, context_length=20, max_k=3, repeats=2)
-    forward = cost["forward_ms_by_new_tokens"]
-    assert sorted(forward) == [1, 2, 3, 4] and all(ms > 0 for ms in forward.values())
-    assert cost["verify_ratio_by_k"] == {k: forward[k + 1] / forward[1] for k in (1, 2, 3)}
-    assert len(cost["draft_head_ms"]) == 3
-    assert cost["draft_cost_per_head"] == [ms / forward[1] for ms in cost["draft_head_ms"]]
+    assert cost["forward_ms_by_new_tokens"] == pytest.approx({m: 50 + 10 * m for m in (1, 2, 3, 4)})
+    assert cost["verify_ratio_by_k"] == pytest.approx({1: 70 / 60, 2: 80 / 60, 3: 90 / 60})
+    assert cost["draft_head_ms"] == pytest.approx([5.0] * 3)
+    assert cost["draft_cost_per_head"] == pytest.approx([5 / 60] * 3)
 
     argv = ["bench", "--verify-cost", "--model", tiny_pair[0], "--speculator", "untrained", "--context-length", "20",
             "--repeats", "2", "--output-dir", str(tmp_path)]  # fmt: skip
@@ -175,16 +216,17 @@ def test_verify_cost_ratios(tiny_pair, tmp_path):
     assert set(written["verify_ratio_by_k"]) == {"1", "2", "3", "4"}
 
 
-def test_demo_end_to_end(tiny_pair, capsys):
+def test_demo_end_to_end(tiny_pair, capsys, clock):
     model, speculator = tiny_pair
     argv = ["demo", "--model", model, "--speculator", speculator, "--num-prompts", "2", "--max-new-tokens", "5"]
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert "Greedy outputs identical: yes (2/2 prompts)" in out
     assert "Speculative metrics: Draft acceptance rate:" in out and "Per-head acceptance rate: [" in out
-    speeds = [float(speed) for speed in re.findall(r"([\d.]+) toks/s \(", out)]
-    speedup = float(re.search(r"Speedup: ([\d.]+)x", out).group(1))
-    assert len(speeds) == 2 and math.isclose(speedup, speeds[1] / speeds[0], rel_tol=0.02)
+    # Forwards of 1 s: plain decoding runs at 1 token/s, and the speedup is the tokens per verifier forward.
+    assert "Without speculation:    1.0 toks/s (10 tokens in 10.0 s)" in out
+    tokens_per_forward = re.search(r"([\d.]+) tokens per verifier forward", out).group(1)
+    assert f"Speedup: {tokens_per_forward}x" in out
     # The live bars count tokens: 2 prompts x 5 tokens in each run (tqdm may redraw a bar more than once).
     finals = dict(re.findall(r"(Without speculation|With MLPSpeculator): (\d+) tokens", err))
     assert finals == {"Without speculation": "10", "With MLPSpeculator": "10"}

@@ -1,34 +1,36 @@
 """The explicit, non-patching ways: enable_mlp_speculator(model) and the mixin."""
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 from conftest import make_oracle, make_prompt, make_verifier
 from transformers import GenerationMixin, LlamaForCausalLM
+from transformers.generation.candidate_generator import CandidateGenerator
 
 import hf_mlp_speculator
 from hf_mlp_speculator import MLPSpeculatorGenerationMixin, enable_mlp_speculator
+from hf_mlp_speculator.generation import check_transformers_hooks
 
 
 def test_install_patches_only_the_two_hooks_and_uninstall_restores_them():
     hf_mlp_speculator.uninstall()
     try:
-        assert GenerationMixin.generate is hf_mlp_speculator.generation._STOCK["generate"]
+        stock = hf_mlp_speculator.generation._STOCK
+        assert all(getattr(GenerationMixin, name) is method for name, method in stock.items())
         verifier, prompt = make_verifier(), make_prompt()
         speculator = make_oracle(verifier, prompt, 12)
         expected = verifier.generate(prompt, max_new_tokens=12, do_sample=False)
 
-        # Unpatched transformers cannot use the speculator at all ...
-        try:
-            verifier.generate(prompt, max_new_tokens=12, assistant_model=speculator)
-            raise AssertionError("stock transformers accepted an MLPSpeculator")
-        except AttributeError:
-            pass
-
-        # ... while one enabled model can, and others stay untouched.
+        # One enabled model drafts with the speculator, while other models keep transformers' own methods.
         enable_mlp_speculator(verifier)
         output = verifier.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=speculator)
         assert torch.equal(output, expected)
         assert speculator.speculation_metrics.num_accepted_tokens > 0
-        assert "generate" not in make_verifier().__dict__
+        other = make_verifier()
+        assert all(getattr(other, name).__func__ is method for name, method in stock.items())
     finally:
         hf_mlp_speculator.install()
     assert GenerationMixin.generate is MLPSpeculatorGenerationMixin.generate
@@ -51,3 +53,38 @@ def test_mixin_on_a_model_class():
         assert speculator.speculation_metrics.num_accepted_tokens > 0
     finally:
         hf_mlp_speculator.install()
+
+
+def test_a_changed_transformers_hook_fails_at_import():
+    """A transformers whose private hooks changed is refused at import, naming the tested range, not mid-generation."""
+    code = (
+        "from transformers import GenerationMixin\n"
+        "GenerationMixin._get_candidate_generator = lambda self, generation_config, input_ids, model_kwargs: None\n"
+        "import hf_mlp_speculator\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ImportError: hf_mlp_speculator supports transformers>=5.24.0,<5.26, but transformers")
+    assert "changed GenerationMixin._get_candidate_generator" in last_line
+    assert last_line.endswith("pip install 'transformers>=5.24.0,<5.26'.")
+
+
+@pytest.mark.parametrize(
+    "owner,name,replacement,named",
+    [
+        (GenerationMixin, "_sample", lambda self, input_ids, generation_config, **kwargs: None,
+         "the decoding-method convention of GenerationMixin._sample"),
+        (GenerationMixin, "_prepare_generation_config", lambda self, **kwargs: None,
+         "GenerationMixin._prepare_generation_config"),
+        (CandidateGenerator, "requires_model_outputs", None, "CandidateGenerator.requires_model_outputs"),
+    ],
+)  # fmt: skip
+def test_each_private_hook_is_checked(monkeypatch, owner, name, replacement, named):
+    if replacement is None:
+        monkeypatch.delattr(owner, name)
+    else:
+        monkeypatch.setattr(owner, name, replacement)
+    with pytest.raises(ImportError, match=rf"supports transformers>=5.24.0,<5.26, but .* changed {named}"):
+        check_transformers_hooks()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, VOCAB, make_oracle, make_prompt, make_speculator, make_verifier
+from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_prompt, make_speculator, make_verifier
 from transformers.generation.streamers import BaseStreamer
 
 
@@ -119,6 +119,15 @@ def test_fp16_speculator_on_other_dtype_verifier(verifier_dtype):
     prompt = make_prompt()
     expected = greedy(verifier, prompt, max_new_tokens=16)
     assert torch.equal(greedy(verifier, prompt, max_new_tokens=16, assistant_model=speculator), expected)
+    # The fp16 heads really drafted (an ignored speculator leaves no metrics).
+    metrics = speculator.speculation_metrics
+    assert metrics.num_emitted_tokens == 15 and metrics.num_draft_tokens >= metrics.num_steps > 0
+    # Drafts made in fp16 from the other dtype's hidden state are accepted where they are right.
+    oracle = make_oracle(verifier, prompt, 16, wrong=lambda p, h: h == 2)
+    oracle.to(torch.float16)
+    assert torch.equal(greedy(verifier, prompt, max_new_tokens=16, assistant_model=oracle), expected)
+    steps = expected_steps(prompt.shape[1], 16, 3, lambda p, h: h == 2)
+    assert oracle.speculation_metrics.num_accepted_tokens == sum(a for _, _, a in steps) > 0
 
 
 def test_num_assistant_tokens_limits_heads():
@@ -170,4 +179,9 @@ def test_pipeline_with_assistant_model():
     expected = generator(text, max_new_tokens=12, do_sample=False)
     output = generator(text, max_new_tokens=12, do_sample=False, assistant_model=speculator)
     assert output == expected
+    assert speculator.speculation_metrics.num_steps > 0
+    # The README's form: the speculator given when the pipeline is built (it has no special tokens of its own).
+    speculator.speculation_metrics = None
+    speculative = pipeline("text-generation", model=verifier, tokenizer=tokenizer, assistant_model=speculator)
+    assert speculative(text, max_new_tokens=12, do_sample=False) == expected
     assert speculator.speculation_metrics.num_steps > 0

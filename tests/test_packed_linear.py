@@ -1,8 +1,9 @@
 """Packed oneDNN linears compute what nn.Linear computes, and speculative greedy output stays identical."""
 
 import torch
-from conftest import make_oracle, make_prompt, make_speculator, make_verifier
+from conftest import HIDDEN, VOCAB, make_oracle, make_prompt, make_speculator, make_verifier
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_mlp_speculator.packed_linear import PackedLinear, pack_linear_weights, unpack_linear_weights
 
@@ -20,11 +21,29 @@ def test_packed_linear_matches_nn_linear_for_every_row_count():
 
 
 def test_packed_model_keeps_its_parameters_and_ties():
-    verifier = make_verifier()
-    keys = list(verifier.state_dict())
+    """Packing leaves the parameters in place (state_dict, tied weights) and computes the same logits as before."""
+    verifier = LlamaForCausalLM(LlamaConfig(**{**make_verifier().config.to_dict(), "tie_word_embeddings": True}))
+    verifier, speculator = verifier.eval(), make_speculator(tie_weights=True)
+    tokens, hidden = torch.randint(0, VOCAB, (2, 7)), torch.randn(2, 4, HIDDEN)
+
+    def logits():
+        with torch.no_grad():
+            return verifier(tokens).logits, speculator(hidden, tokens).logits
+
+    expected, states = logits(), [dict(model.state_dict()) for model in (verifier, speculator)]
     pack_linear_weights(verifier)
-    assert list(verifier.state_dict()) == keys
-    assert all(isinstance(m, PackedLinear) for m in verifier.modules() if isinstance(m, nn.Linear))
+    pack_linear_weights(speculator)
+    assert all(isinstance(m, PackedLinear) for m in (*verifier.modules(), *speculator.modules())
+               if isinstance(m, nn.Linear))  # fmt: skip
+    assert verifier.lm_head.weight is verifier.model.embed_tokens.weight
+    heads = speculator.speculator
+    assert all(head.weight is heads.head[0].weight for head in heads.head)
+    assert all(proj.weight is heads.proj[1].weight for proj in heads.proj[2:])
+    for model, state in zip((verifier, speculator), states):
+        assert model.state_dict().keys() == state.keys()
+        assert all(model.state_dict()[key].data_ptr() == value.data_ptr() for key, value in state.items())
+    torch.testing.assert_close(logits(), expected, rtol=1e-5, atol=1e-5)
+
     unpack_linear_weights(verifier)
     assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
     assert not hasattr(verifier.lm_head, "packed_weight")

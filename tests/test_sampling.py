@@ -152,3 +152,20 @@ def test_batched_check_catches_greedy_drafts_under_sampling(pair_and_truth, shor
     counts, _, _ = batched_sample_counts(verifier, speculator)
     assert chi_square_p_value(counts[0], probs, BATCH_SAMPLES) < 1e-3
     assert chi_square_p_value(counts[1], short_prompt_truth, BATCH_SAMPLES) < 1e-3
+
+
+def test_rejection_sampling_never_accepts_a_draft_the_verifier_rules_out(monkeypatch):
+    """Even when the uniform draw is exactly 0 (torch.rand is in [0, 1)), a draft with p = 0 is rejected."""
+    from hf_mlp_speculator.drafting import DraftTree
+    from hf_mlp_speculator.speculative_decoding import _accept_by_rejection_sampling
+
+    draft, allowed = 2, 1
+    drafts = DraftTree(tokens=torch.tensor([[0, draft]]), parents=torch.tensor([[0, 0]]),
+                       depths=torch.tensor([[0, 1]]), valid=torch.tensor([[True, True]]),
+                       draft_logits=torch.tensor([[[0.0, 0.0, 5.0, 0.0]]]))  # fmt: skip
+    scores = torch.full((1, 2, V), torch.finfo(torch.float32).min)
+    scores[0, 0, allowed] = 0.0  # the verifier allows only `allowed` after the root
+    scores[0, 1] = 0.0
+    monkeypatch.setattr(torch, "rand_like", torch.zeros_like)
+    accepted, next_token = _accept_by_rejection_sampling(drafts, scores, torch.tensor([1]))
+    assert accepted.tolist() == [0] and next_token.tolist() == [allowed]
