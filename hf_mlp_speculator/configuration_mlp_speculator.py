@@ -51,9 +51,6 @@ class MLPSpeculatorConfig(PreTrainedConfig):
             verifier still scores the whole vocabulary, so decoding stays lossless.
         base_model_name_or_path (`str`, *optional*):
             The verifier this speculator was trained for.
-        vocab_padding (`int`, *optional*, defaults to 0):
-            How many of the last ids of `vocab_size` are padding, added by `resize_vocab` for a verifier whose
-            vocabulary is padded past its tokenizer. The heads never draft them: their logits are the dtype's minimum.
 
     ```python
     >>> from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
@@ -77,7 +74,6 @@ class MLPSpeculatorConfig(PreTrainedConfig):
     scale_input: bool = False
     draft_vocab_size: int = 0
     base_model_name_or_path: str | None = None
-    vocab_padding: int = 0
 
     def __post_init__(self, **kwargs):
         if self.top_k_tokens_per_head is None:
@@ -89,11 +85,6 @@ class MLPSpeculatorConfig(PreTrainedConfig):
         for name in ("vocab_size", "emb_dim", "n_candidates"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MLPSpeculatorConfig.{name} must be positive, got {getattr(self, name)}.")
-        if not 0 <= self.vocab_padding < self.vocab_size:
-            raise ValueError(
-                f"MLPSpeculatorConfig.vocab_padding must be between 0 and vocab_size - 1 = {self.vocab_size - 1}, got "
-                f"{self.vocab_padding}."
-            )
         if self.inner_dim < 0:
             raise ValueError(f"MLPSpeculatorConfig.inner_dim must be >= 0 (0 means emb_dim), got {self.inner_dim}.")
         if self.n_predict < 1:

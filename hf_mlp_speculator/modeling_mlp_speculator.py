@@ -56,7 +56,6 @@ class MLPSpeculator(nn.Module):
         self.n_predict = n
         self.vocab_size = vocab
         self.scale_input = config.scale_input
-        self.vocab_padding = config.vocab_padding  # the last ids, never drafted (see `resize_vocab`)
         # With `tie_weights`, MLPSpeculatorPreTrainedModel ties heads 1.. to head 0 (and proj 2.. to proj 1).
         self.emb = nn.ModuleList([nn.Embedding(vocab, inner_dim) for _ in range(n)])
         self.proj = nn.ModuleList(
@@ -66,10 +65,8 @@ class MLPSpeculator(nn.Module):
         # output layers shrink to the draft vocabulary.
         draft_vocab = config.draft_vocab_size if config.reduced_draft_vocab else vocab
         self.head = nn.ModuleList([nn.Linear(inner_dim, draft_vocab, bias=False) for _ in range(n)])
-        if config.reduced_draft_vocab:
-            self.register_buffer("draft_vocab", torch.arange(draft_vocab))
-        else:
-            self.draft_vocab = None
+        # The base ids the heads score; None (no checkpoint key) when they score the whole vocabulary.
+        self.register_buffer("draft_vocab", torch.arange(draft_vocab) if config.reduced_draft_vocab else None)
         self.ln = nn.ModuleList([MLPSpeculatorLayerNorm(inner_dim) for _ in range(n)])
         # `ln0` has no parameters, hence no checkpoint keys.
         self.ln0 = MLPSpeculatorLayerNorm(emb_dim, elementwise_affine=False) if config.scale_input else None
@@ -93,20 +90,18 @@ class MLPSpeculator(nn.Module):
         the draft vocabulary."""
         state = torch.add(self.proj[head](state), self.emb[head](input_ids), alpha=self.emb_scale)
         state = self.activation(self.ln[head](state))
-        logits = self.head[head](state)
-        if self.vocab_padding:
-            # The dtype's minimum rather than -inf: no argmax picks it and softmax gives it exactly zero mass, while
-            # arithmetic on it (temperature, penalties, log_softmax) stays finite.
-            logits[..., -self.vocab_padding :] = torch.finfo(logits.dtype).min
-        return state, logits
+        return state, self.head[head](state)
 
     def step(self, head: int, state: torch.Tensor, input_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`draft_step` with logits over the whole vocabulary, as drafting needs them: tokens outside the draft
-        vocabulary get `-inf`, i.e. probability 0, so that a sampled draft's distribution is exactly the one used."""
+        """
+        `draft_step` with logits over the whole vocabulary, as drafting needs them. Tokens outside the draft vocabulary
+        get the dtype's minimum: no argmax picks them and softmax gives them exactly zero mass, so a sampled draft's
+        distribution is the one it was drawn from, while arithmetic on them (temperature, penalties) stays finite.
+        """
         state, logits = self.draft_step(head, state, input_ids)
         if self.draft_vocab is None:
             return state, logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), torch.finfo(logits.dtype).min)
         return state, full.index_copy_(-1, self.draft_vocab, logits)
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.LongTensor) -> torch.Tensor:
@@ -231,26 +226,24 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
     def resize_vocab(self, vocab_size: int) -> None:
         """
         Pads the vocabulary to `vocab_size`, for a verifier whose embedding matrix is padded past its tokenizer. The
-        new ids get zero embeddings and are never drafted (`config.vocab_padding`, kept by `save_pretrained`, masks
-        their logits); tied weights stay tied.
+        new ids get zero embeddings and are never drafted: they stay outside the draft vocabulary (a speculator
+        without one gets its old vocabulary as draft vocabulary, saved with it). Tied weights stay tied.
         """
-        if vocab_size < self.config.vocab_size:
-            raise ValueError(f"resize_vocab only pads: {vocab_size} < vocab_size {self.config.vocab_size}.")
-        padded = {}  # one new parameter per old one, so that modules sharing a weight (tie_weights) still share it
-        for module in (*self.speculator.emb, *self.speculator.head):
+        config, heads = self.config, self.speculator
+        if vocab_size < config.vocab_size:
+            raise ValueError(f"resize_vocab only pads: {vocab_size} < vocab_size {config.vocab_size}.")
+        if heads.draft_vocab is None:
+            heads.register_buffer("draft_vocab", torch.arange(config.vocab_size, device=heads.head[0].weight.device))
+            config.draft_vocab_size = config.vocab_size
+        padded = {}  # one new parameter per old one, so that embeddings sharing a weight (tie_weights) still share it
+        for module in heads.emb:
             weight = module.weight
             if id(weight) not in padded:
                 new = weight.new_zeros(vocab_size, weight.shape[1])
                 new[: weight.shape[0]] = weight
                 padded[id(weight)] = nn.Parameter(new, requires_grad=weight.requires_grad)
-            module.weight = padded[id(weight)]
-            if isinstance(module, nn.Embedding):
-                module.num_embeddings = vocab_size
-            else:
-                module.out_features = vocab_size
-        self.config.vocab_padding += vocab_size - self.config.vocab_size
-        self.config.vocab_size = vocab_size
-        self.speculator.vocab_padding = self.config.vocab_padding
+            module.weight, module.num_embeddings = padded[id(weight)], vocab_size
+        config.vocab_size = heads.vocab_size = vocab_size
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

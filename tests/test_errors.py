@@ -57,18 +57,14 @@ def test_vocab_mismatch_names_both_numbers_and_the_padding_fix():
 
 def test_resize_vocab_pads_losslessly():
     """A speculator for a padded verifier vocabulary: pad it, and greedy output stays identical."""
-    torch.manual_seed(0)
-    speculator = make_speculator()
+    real = VOCAB - 8
+    speculator = make_speculator(vocab_size=real)
     original = speculator.speculator.head[0].weight.clone()
-    for module in speculator.speculator.head:
-        module.weight.data = module.weight.data[: VOCAB - 8]
-    for module in speculator.speculator.emb:
-        module.weight.data = module.weight.data[: VOCAB - 8]
-    speculator.config.vocab_size = VOCAB - 8
     speculator.resize_vocab(VOCAB)
-    assert speculator.speculator.head[0].weight.shape == (VOCAB, 48)
-    assert torch.equal(speculator.speculator.head[0].weight[: VOCAB - 8], original[: VOCAB - 8])
-    assert not speculator.speculator.head[0].weight[VOCAB - 8 :].any()
+    heads = speculator.speculator
+    assert heads.emb[0].weight.shape == (VOCAB, 48) and not heads.emb[0].weight[real:].any()
+    assert torch.equal(heads.head[0].weight, original)  # the heads still score the real ids only
+    assert torch.equal(heads.draft_vocab, torch.arange(real))
     verifier, prompt = make_verifier(), make_prompt()
     expected = verifier.generate(prompt, max_new_tokens=12, do_sample=False)
     assert torch.equal(
@@ -102,7 +98,7 @@ def test_resize_vocab_keeps_ties_and_never_drafts_a_padded_id(tmp_path):
     # The padding survives saving and loading.
     speculator.save_pretrained(tmp_path)
     loaded = MLPSpeculatorPreTrainedModel.from_pretrained(tmp_path)
-    assert loaded.config.vocab_padding == 8 and loaded.speculator.head[2].weight is loaded.speculator.head[0].weight
+    assert loaded.config.draft_vocab_size == real and loaded.speculator.head[2].weight is loaded.speculator.head[0].weight
     with torch.no_grad():
         _, reloaded = loaded.speculator.step(1, state, token)
     torch.testing.assert_close(reloaded, logits)
