@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from .data import left_padded
+from .training.documents import left_padded
 from .default_models import evaluation_prompts
 from .timing import WARMUP_TOKENS, GenerationRun, add_model_arguments, encode_prompts, load_pair
 

@@ -30,19 +30,20 @@ def make_model_card(args, config, log_history: list) -> ModelCard:
     settings = "\n".join(
         f"| `{name}` | `{getattr(args, name)}` |"
         for name in (
-            "n_predict", "inner_dim", "tie_weights", "scale_input", "seq_length", "batch_size",
-            "gradient_accumulation_steps", "stage1_steps", "stage2_steps", "learning_rate", "warmup_steps",
-            "weight_decay", "max_grad_norm", "stage2_prompt_length", "stage2_new_tokens", "stage2_temperature",
-            "stage2_top_k", "stage2_steps_per_generation", "dtype", "seed",
+            "n_predict", "inner_dim", "tie_weights", "scale_input", "draft_vocab_size", "init_from_base", "loss",
+            "head_loss_decay", "epochs", "max_train_minutes", "batch_size", "gradient_accumulation_steps",
+            "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "prompt_length", "num_prompts",
+            "synthesize_prompts", "new_tokens", "temperature", "sampling_top_k", "text_tokens", "seq_length",
+            "distill_top_k", "dtype", "seed",
         )
     )  # fmt: skip
     body = f"""
 # MLPSpeculator for `{args.base_model}`
 
 An [MLPSpeculator](https://arxiv.org/abs/2404.19124) with {config.n_predict} heads that drafts tokens for
-`{args.base_model}` from its last hidden state, trained with `hf-mlp-speculator train` (stage 1: teacher forcing on
-text; stage 2: self-distillation on the base model's own samples). Weights use the published `ibm-fms` layout, which
-vLLM and TGI read as well.
+`{args.base_model}` from its last hidden state, trained with `hf-mlp-speculator train`: distilled from the base model's own
+continuations of prompts (its hidden states and next-token distributions). Weights use the published `ibm-fms` layout,
+which vLLM and TGI read as well{" (plus `speculator.draft_vocab`, the base ids of its reduced draft vocabulary)" if config.reduced_draft_vocab else ""}.
 
 ## Usage
 
@@ -62,7 +63,7 @@ print(speculator.speculation_metrics)
 
 ## Held-out acceptance
 
-Measured along the base model's greedy continuations of {args.eval_sequences} held-out prompts: top-1 accuracy of
+Measured along the base model's greedy continuations of {args.eval_prompts} held-out prompts: top-1 accuracy of
 each head, and acceptance (heads 0..i all right, so head i's draft is accepted).
 
 | head | top-1 accuracy | acceptance |
@@ -77,8 +78,8 @@ Expected tokens per verifier step: **{evaluation.get("eval/tokens_per_step", flo
 | setting | value |
 |---|---|
 {settings}
-| data | {", ".join(f"`{d}`" for d in args.data)} |
-| stage-2 prompts | {", ".join(f"`{d}`" for d in args.stage2_data) if args.stage2_data else "cut from the data"} |
+| prompts | {", ".join(f"`{d}`" for d in args.prompts) if args.prompts else "the openings of the data's documents"} |
+| text (teacher-forced) | {", ".join(f"`{d}`" for d in args.data) if args.data else "none"} |
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 

@@ -1,15 +1,14 @@
-"""Streaming training text for the speculator trainer: documents from files or `datasets`, packed into token sequences.
+"""Training documents from files or `datasets`: text to teacher-force, packed into sequences, and prompts to continue.
 
-Nothing is loaded whole: files are read lazily, one document at a time, and packing keeps at most one sequence of
-tokens in memory. Documents are split between training and held-out data by a hash of their text, so the split is the
-same on every run and every process, and no held-out text is ever packed into a training sequence.
+Files are read lazily, one document at a time. Documents are split between training and held-out data by a hash of
+their text, so the split is the same on every run and every process, and no held-out text is ever trained on.
 """
 
-import itertools
 import json
 import os
+import re
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -59,7 +58,13 @@ def _iter_jsonl(path: Path, tokenizer, text_field: str) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
-                yield _render(json.loads(line), tokenizer, text_field, f"{path}:{number}")
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number} is not valid JSON ({error.msg} at column {error.colno}).") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{number} holds a JSON {type(record).__name__}, not an object (a record).")
+                yield _render(record, tokenizer, text_field, f"{path}:{number}")
 
 
 def _iter_parquet(path: Path, tokenizer, text_field: str) -> Iterator[str]:
@@ -72,23 +77,32 @@ def _iter_parquet(path: Path, tokenizer, text_field: str) -> Iterator[str]:
             yield _render(record, tokenizer, text_field, str(path))
 
 
+# What a `datasets` name looks like ("name" or "org/name"); anything else that does not exist is a mistyped path.
+_DATASET_NAME = re.compile(r"[\w-]+(/[\w.-]+)?")
+
+
 def _iter_dataset(name: str, tokenizer, text_field: str, split: str) -> Iterator[str]:
+    if not _DATASET_NAME.fullmatch(name) or Path(name).suffix in KNOWN_SUFFIXES:
+        raise ValueError(
+            f"{name} does not exist (no such file or folder). Check the path; `datasets` names look like 'org/name'."
+        )
     try:
         import datasets
     except ImportError as error:
         raise ValueError(
-            f"{name!r} is neither a file with a known suffix ({', '.join(KNOWN_SUFFIXES)}) nor a folder holding "
-            "such files; reading it as a `datasets` dataset needs `pip install datasets`."
+            f"{name!r} is neither a file nor a folder; reading it as a `datasets` dataset needs `pip install datasets`."
         ) from error
     for record in datasets.load_dataset(name, split=split, streaming=True):
         yield _render(record, tokenizer, text_field, name)
 
 
 def iter_documents(source: str, tokenizer, text_field: str = "text", split: str = "train") -> Iterator[str]:
-    """Yields the documents of one data source, lazily: a file, a folder of files, or a `datasets` name or path."""
-    path = Path(source)
-    files = sorted(p for p in path.rglob("*") if p.suffix in KNOWN_SUFFIXES) if path.is_dir() else []
-    if files:
+    """Yields the documents of one data source, lazily: a file, a folder of files, or a `datasets` name."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in KNOWN_SUFFIXES)
+        if not files:
+            raise ValueError(f"The folder {source} holds no {', '.join(KNOWN_SUFFIXES)} file to read documents from.")
         for file in files:
             yield from iter_documents(str(file), tokenizer, text_field, split)
     elif path.is_file() and path.suffix in TEXT_SUFFIXES:
@@ -111,6 +125,15 @@ def is_held_out(document: str, eval_fraction: float) -> bool:
     return zlib.crc32(document.encode("utf-8")) / 2**32 < eval_fraction
 
 
+def tokenize(document: str, tokenizer) -> list[int]:
+    """
+    The document's token ids, with the tokenizer's special tokens unless the text already starts with its BOS token
+    (text rendered by a chat template usually does, and a second BOS would be out of distribution).
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer(document, add_special_tokens=not (bos and document.startswith(bos)))["input_ids"]
+
+
 def pack(documents: Iterable[str], tokenizer, seq_length: int) -> Iterator[torch.LongTensor]:
     """
     Tokenizes documents and packs them back to back into sequences of exactly `seq_length` tokens, with the
@@ -119,101 +142,52 @@ def pack(documents: Iterable[str], tokenizer, seq_length: int) -> Iterator[torch
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     buffer = []
     for document in documents:
-        buffer.extend(tokenizer(document)["input_ids"] + eos)
+        buffer.extend(tokenize(document, tokenizer) + eos)
         while len(buffer) >= seq_length:
             yield torch.tensor(buffer[:seq_length], dtype=torch.long)
             del buffer[:seq_length]
 
 
-class PackedTextStream:
-    """
-    The packed sequences of a list of data sources, split into training and held-out data.
+class Corpus:
+    """The documents of a list of data sources, split into training and held-out documents."""
 
-    `train_sequences(skip)` cycles over the data forever (epoch after epoch) so that the trainer runs for its number of
-    steps whatever the corpus size; `skip` resumes it exactly at a position, which is how a resumed run continues
-    where its checkpoint left off. Every process reads the whole stream and takes its own rows of each global batch
-    (see the trainer), which keeps the global batch identical whatever the number of processes.
-    """
-
-    def __init__(self, sources, tokenizer, seq_length: int, eval_fraction: float = 0.05, text_field: str = "text"):
+    def __init__(self, sources, tokenizer, eval_fraction: float = 0.05, text_field: str = "text"):
         if isinstance(sources, (str, os.PathLike)):
             sources = [sources]
         if not sources:
-            raise ValueError("No training data given: pass at least one file, folder or dataset name (--data).")
+            raise ValueError("No data given: pass at least one file, folder or dataset name.")
         self.sources = [str(s) for s in sources]
         self.tokenizer = tokenizer
-        self.seq_length = seq_length
         self.eval_fraction = eval_fraction
         self.text_field = text_field
 
-    def _documents(self, held_out: bool) -> Iterator[str]:
+    def documents(self, held_out: bool = False) -> Iterator[str]:
         for source in self.sources:
             for document in iter_documents(source, self.tokenizer, self.text_field):
                 if is_held_out(document, self.eval_fraction) == held_out:
                     yield document
 
-    def eval_sequences(self, num_sequences: int) -> torch.LongTensor:
-        """The first `num_sequences` packed held-out sequences, as one `[num_sequences, seq_length]` tensor."""
-        sequences = list(itertools.islice(pack(self._documents(True), self.tokenizer, self.seq_length), num_sequences))
-        if not sequences:
-            raise ValueError(
-                f"The held-out split (eval_fraction={self.eval_fraction}) holds no complete sequence of "
-                f"{self.seq_length} tokens. Raise eval_fraction (--eval-fraction), give more data, or lower "
-                "seq_length. (Documents are held out whole: records of .jsonl/.parquet files, blank-line-separated "
-                "paragraphs of .txt files.)"
-            )
-        if len(sequences) < num_sequences:
-            logger.warning(
-                f"The held-out split holds only {len(sequences)} sequences of the {num_sequences} asked for."
-            )
-        return torch.stack(sequences)
+    def sequences(self, seq_length: int, held_out: bool = False) -> Iterator[torch.LongTensor]:
+        """The documents packed into sequences of `seq_length` tokens."""
+        return pack(self.documents(held_out), self.tokenizer, seq_length)
 
-    def prompts(self, length: int, held_out: bool = False, skip: int = 0) -> Iterator[list[int]]:
+    def prompts(self, max_length: int, held_out: bool = False) -> Iterator[list[int]]:
         """
-        Each document as one prompt of at most `length` tokens, its last ones (a chat turn rendered up to the
-        assistant's answer ends there). Training prompts cycle epoch after epoch, starting after the first `skip`;
-        held-out prompts are read once.
+        Each document as one prompt, whole. A prompt longer than `max_length` tokens is skipped (counted in a
+        warning at the end) rather than cut, which could drop a chat template's system turn or its answer header.
         """
-
-        def epoch():
-            return (self.tokenizer(document)["input_ids"][-length:] for document in self._documents(held_out))
-
-        if held_out:
-            return epoch()
-        return _cycle(
-            epoch,
-            skip,
-            f"The prompt data ({', '.join(self.sources)}) holds no document outside the held-out split. Give more "
-            "prompts, or lower eval_fraction.",
-        )
-
-    def train_sequences(self, skip: int = 0) -> Iterator[torch.LongTensor]:
-        """Training sequences, epoch after epoch, starting after the first `skip`."""
-        return _cycle(
-            lambda: pack(self._documents(False), self.tokenizer, self.seq_length),
-            skip,
-            f"The training data ({', '.join(self.sources)}) holds no complete sequence of {self.seq_length} tokens "
-            "outside the held-out split. Give more data, or lower seq_length or eval_fraction.",
-        )
-
-
-def _cycle(epoch: Callable[[], Iterable], skip: int, empty_error: str) -> Iterator:
-    """The items of `epoch()`, epoch after epoch forever, starting after the first `skip`; `empty_error` if none."""
-    number = 0
-    while True:
-        produced = 0
-        for item in epoch():
-            produced += 1
-            if skip:
-                skip -= 1
+        skipped = 0
+        for document in self.documents(held_out):
+            ids = tokenize(document, self.tokenizer)
+            if len(ids) > max_length:
+                skipped += 1
                 continue
-            yield item
-        if produced == 0:
-            raise ValueError(empty_error)
-        number += 1
-        # Skipping whole epochs by re-reading them would only waste time.
-        skip %= produced
-        logger.info(f"Starting epoch {number} over the training data.")
+            yield ids
+        if skipped:
+            logger.warning(
+                f"{skipped} prompt(s) of {', '.join(self.sources)} are longer than {max_length} tokens and were "
+                "skipped. Raise prompt_length (--prompt-length) to use them."
+            )
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.LongTensor, torch.LongTensor]:
@@ -225,4 +199,4 @@ def left_padded(prompts: list[list[int]], pad_token_id: int, device=None) -> tup
     return input_ids, attention_mask
 
 
-__all__ = ["PackedTextStream", "is_held_out", "iter_documents", "left_padded", "pack"]
+__all__ = ["Corpus", "is_held_out", "iter_documents", "left_padded", "pack", "tokenize"]

@@ -1,0 +1,139 @@
+"""The training and held-out targets of a run: which sequences the base model goes over, in what order, until when.
+
+Training targets come in batches, each one file of the target cache: teacher forcing on `text_tokens` of the text
+(`--data`), then the continuations of the training prompts, then, with `synthesize_prompts`, of user turns the base
+model wrote itself. Without a time budget every batch is computed. With one, batches are added until the seconds they
+took (as recorded in the cache, so that a resumed run makes the same choice) reach the budget. The held-out targets are
+the greedy continuations of the first `eval_prompts` held-out prompts.
+
+Under several processes, batch `i` of each round is computed by process `i % processes`, and every process then reads
+them all (the cache folder must be shared, as it is on one machine).
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from transformers.utils import logging
+
+from ..default_models import cache_dir, evaluation_prompts
+from .documents import Corpus
+from .progress import Progress
+from .prompts import keep_new, normalized, render_chat_prompt, synthesize_user_turns
+from .targets import TargetCache, Targets, continue_prompts, fingerprint, teacher_force
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class TrainingData:
+    train: Targets
+    eval: Targets
+
+
+def _prompt_source(args, tokenizer) -> Corpus:
+    return Corpus(args.prompts or args.data, tokenizer, args.eval_fraction, args.text_field)
+
+
+def _prompts(corpus: Corpus, args, held_out: bool):
+    """Whole prompt documents from --prompts; from --data, each document's opening, which the base continues."""
+    if args.prompts:
+        return corpus.prompts(args.prompt_length, held_out)
+    return (ids[: args.prompt_length] for ids in corpus.prompts(10**9, held_out))
+
+
+def build_training_data(args, base, tokenizer, accelerator, budget_seconds: float = 0.0) -> TrainingData:
+    cache = TargetCache(args.targets_cache or cache_dir() / "targets")
+    base_key = {"base": fingerprint(base), "top_k": args.distill_top_k}
+    eos = base.generation_config.eos_token_id
+    eos = sorted({*([eos] if isinstance(eos, int) else eos or []), tokenizer.eos_token_id} - {None})
+    pad = next((t for t in (tokenizer.pad_token_id, *eos) if t is not None), 0)
+    world, rank = accelerator.num_processes, accelerator.process_index
+
+    def continuation(prompts, new_tokens, greedy, seed):
+        sampled = not greedy and args.temperature > 0
+        key = {**base_key, "kind": "continuation", "prompts": prompts, "new_tokens": new_tokens, "eos": eos,
+               "temperature": args.temperature if sampled else 0.0, "sampling_top_k": args.sampling_top_k * sampled,
+               "seed": seed * sampled}  # fmt: skip
+        build = lambda: continue_prompts(  # noqa: E731
+            base, prompts, new_tokens, eos, pad, args.distill_top_k, key["temperature"], args.sampling_top_k, seed
+        )
+        return key, build
+
+    def computed(jobs):
+        """Each job's targets and recorded seconds, computed round-robin over the processes."""
+        results = []
+        for start in range(0, len(jobs), world):
+            round_ = jobs[start : start + world]
+            if rank < len(round_):
+                cache.get(*round_[rank])
+            accelerator.wait_for_everyone()
+            results += [cache.get(*job) for job in round_]
+        return results
+
+    corpus = _prompt_source(args, tokenizer)
+    held_out = list(itertools.islice(_prompts(corpus, args, held_out=True), args.eval_prompts))
+    if not held_out:
+        raise ValueError(
+            f"No held-out prompt in {', '.join(corpus.sources)} (eval_fraction={args.eval_fraction}): the acceptance "
+            "would be measured on nothing. Give more prompts, or raise eval_fraction."
+        )
+    batches = [held_out[i : i + args.generation_batch_size] for i in range(0, len(held_out), args.generation_batch_size)]
+    evaluation = computed([continuation(b, args.eval_new_tokens, True, 0) for b in batches])
+    spent = sum(seconds for _, seconds in evaluation)
+
+    jobs = iter(_training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, accelerator))
+    parts = []
+    with Progress(None, "Computing the base model's targets", "batches", disable=not accelerator.is_local_main_process
+                  ) as progress:  # fmt: skip
+        while not budget_seconds or spent < budget_seconds:
+            round_ = list(itertools.islice(jobs, world))
+            if not round_:
+                break
+            for targets, seconds in computed(round_):
+                parts.append(targets)
+                spent += seconds
+            tokens = sum(len(p) for p in parts)
+            progress.update(len(round_), positions=tokens, minutes=f"{spent / 60:.1f}")
+    if not parts:
+        raise ValueError("The training data gave no sequence to learn from. Give more prompts or data.")
+    return TrainingData(train=Targets.concatenate(parts), eval=Targets.concatenate([t for t, _ in evaluation]))
+
+
+def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, accelerator):
+    """The (key, build) pairs of the training target batches, in the order they are used."""
+    if args.text_tokens:
+        text = Corpus(args.data, tokenizer, args.eval_fraction, args.text_field)
+        rows = max(1, 2**14 // args.seq_length)  # about 16k tokens per forward
+        sequences = itertools.islice(text.sequences(args.seq_length + 1), args.text_tokens // args.seq_length)
+        while chunk := list(itertools.islice(sequences, rows)):
+            key = {**base_key, "kind": "text", "sequences": [s.tolist() for s in chunk]}
+            yield key, (lambda chunk=chunk: teacher_force(base, torch.stack(chunk), args.distill_top_k))
+
+    prompts = _prompts(corpus, args, held_out=False)
+    if args.num_prompts:
+        prompts = itertools.islice(prompts, args.num_prompts)
+    batch_size = args.generation_batch_size
+    # Synthesized prompts must not repeat these, nor the demo's and the benchmark's evaluation prompts.
+    seen_ids = {tuple(p) for p in _prompts(corpus, args, held_out=True)}
+    seen_text = {normalized(p) for p in evaluation_prompts()}
+    for index, chunk in enumerate(iter(lambda: list(itertools.islice(prompts, batch_size)), [])):
+        seen_ids.update(tuple(p) for p in chunk)
+        yield continuation(chunk, args.new_tokens, args.temperature == 0, args.seed * 7919 + index)
+
+    kept = 0
+    for index in itertools.count():
+        if kept >= args.synthesize_prompts:
+            break
+        key = {**base_key, "kind": "user turns", "seed": args.seed, "batch": index, "size": batch_size}
+        turns, _ = cache.get(key, lambda: synthesize_user_turns(base, tokenizer, batch_size, args.seed * 104729 + index))
+        rendered = []
+        for text in keep_new(turns, seen_text):
+            ids = render_chat_prompt(tokenizer, text)
+            if tuple(ids) not in seen_ids and len(ids) <= args.prompt_length and kept < args.synthesize_prompts:
+                seen_ids.add(tuple(ids))
+                rendered.append(ids)
+                kept += 1
+        if rendered:
+            yield continuation(rendered, args.new_tokens, args.temperature == 0, -(index + 1))
