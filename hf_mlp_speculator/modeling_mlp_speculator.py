@@ -245,6 +245,28 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
             module.weight, module.num_embeddings = padded[id(weight)], vocab_size
         config.vocab_size = heads.vocab_size = vocab_size
 
+    @torch.no_grad()
+    def expand_draft_vocab(self) -> "MLPSpeculatorPreTrainedModel":
+        """
+        A copy of a reduced-vocabulary speculator that scores the whole vocabulary, to save in the published layout,
+        the only one vLLM and TGI read (they know no `speculator.draft_vocab`). The draft vocabulary's head rows are
+        copied; the others are zero, so those tokens get logit 0 where this model gives them no probability at all:
+        they are drafted only when every draft-vocabulary logit is negative (and then rejected, or accepted when
+        right). Use this copy for those servers only; the reduced model is cheaper and drafts at least as well.
+        """
+        if self.speculator.draft_vocab is None:
+            raise ValueError("This speculator already scores the whole vocabulary (draft_vocab_size=0).")
+        config = self.config.__class__(**{**self.config.to_dict(), "draft_vocab_size": 0})
+        full = type(self)(config).to(device=self.device, dtype=self.dtype)
+        state = {k: v for k, v in self.state_dict().items() if k != "speculator.draft_vocab"}
+        for name, weight in list(state.items()):
+            if name.startswith("speculator.head."):
+                state[name] = weight.new_zeros(config.vocab_size, weight.shape[1]).index_copy_(
+                    0, self.speculator.draft_vocab, weight
+                )
+        full.load_state_dict(state)
+        return full.train(self.training)
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         # transformers only warns about missing or unexpected keys and fills the gaps at random; a speculator loaded

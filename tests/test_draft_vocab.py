@@ -94,3 +94,69 @@ def test_draft_vocab_larger_than_the_vocabulary_names_the_fix():
 def test_full_vocabulary_config_keeps_the_published_fields(tmp_path):
     MLPSpeculatorConfig(vocab_size=VOCAB, emb_dim=HIDDEN).save_pretrained(tmp_path)
     assert "draft_vocab_size" not in (tmp_path / "config.json").read_text()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_output_is_identical_to_plain(arch):
+    verifier, prompt = make_verifier(arch), make_prompt()
+    speculator = draft_vocab_speculator()
+    expected = verifier.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert torch.equal(verifier.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=speculator),
+                       expected)  # fmt: skip
+    assert speculator.speculation_metrics.num_draft_tokens > 0
+    batch = torch.cat([make_prompt(seed=3), make_prompt(seed=4)])
+    expected = verifier.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=10, do_sample=False)
+    speculative = verifier.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=10, do_sample=False,
+                                    assistant_model=speculator)  # fmt: skip
+    assert torch.equal(speculative, expected)
+
+
+def sharp_draft_vocab_pair():
+    """test_sampling's pair, with a speculator whose heads score tokens 0, 2 and 3 only: its q is 0 for token 1."""
+    from test_sampling import sharp_pair
+
+    verifier, full = sharp_pair()
+    config = MLPSpeculatorConfig(**{**full.config.to_dict(), "draft_vocab_size": 3})
+    speculator = MLPSpeculatorPreTrainedModel(config).eval()
+    speculator.speculator.draft_vocab.copy_(torch.tensor([0, 2, 3]))
+    with torch.no_grad():
+        for head in speculator.speculator.head:
+            head.weight.mul_(4)
+    return verifier, speculator
+
+
+def test_sampling_follows_the_verifier_distribution_exactly():
+    """The draft distribution is zero outside the draft vocabulary; rejection sampling on it stays exact."""
+    from test_sampling import BATCH_SAMPLES, SAMPLES, batched_sample_counts, chi_square_p_value, exact_distribution
+    from test_sampling import sample_counts, SHORT_PROMPT
+
+    verifier, speculator = sharp_draft_vocab_pair()
+    probs = exact_distribution(verifier)
+    counts, drafted, accepted = sample_counts(verifier, speculator)
+    assert 0.2 * drafted < accepted < 0.8 * drafted
+    assert chi_square_p_value(counts, probs, SAMPLES) > 1e-3
+    assert any(1 in continuation for continuation in counts)  # token 1 is emitted although never drafted
+    counts, _, metrics = batched_sample_counts(verifier, speculator)
+    assert 0.2 * metrics.num_draft_tokens < metrics.num_accepted_tokens < 0.8 * metrics.num_draft_tokens
+    assert chi_square_p_value(counts[0], probs, BATCH_SAMPLES) > 1e-3
+    assert chi_square_p_value(counts[1], exact_distribution(verifier, SHORT_PROMPT), BATCH_SAMPLES) > 1e-3
+
+
+@pytest.mark.parametrize("tie_weights", [False, True])
+def test_expanded_copy_saves_the_published_layout(tmp_path, tie_weights):
+    speculator = draft_vocab_speculator(tie_weights=tie_weights)
+    full = speculator.expand_draft_vocab()
+    full.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert "speculator.draft_vocab" not in stored and "draft_vocab_size" not in (tmp_path / "config.json").read_text()
+    assert stored["speculator.head.0.weight"].shape == (VOCAB, 48)
+    hidden, tokens = torch.randn(2, 1, HIDDEN), torch.randint(0, VOCAB, (2, 4))
+    with torch.no_grad():
+        reduced = speculator(hidden_states=hidden, input_ids=tokens).logits
+        expanded = AutoModel.from_pretrained(tmp_path)(hidden_states=hidden, input_ids=tokens).logits
+    torch.testing.assert_close(expanded[..., DRAFT_IDS], reduced)  # the draft vocabulary scores as before
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[DRAFT_IDS] = False
+    assert not expanded[..., outside].any()  # the other tokens get logit 0
+    with pytest.raises(ValueError, match="already scores the whole vocabulary"):
+        full.expand_draft_vocab()

@@ -59,6 +59,10 @@ class SpeculatorTrainingArguments:
     text_tokens: int = field(default=0, metadata={"help": "Tokens of --data to teacher-force; 0: none."})
     seq_length: int = field(default=256, metadata={"help": "Tokens per packed --data sequence."})
     distill_top_k: int = field(default=32, metadata={"help": "The base model's most likely tokens kept per position."})
+    eval_data: list[str] | None = field(
+        default=None,
+        metadata={"help": "Held-out prompts to measure acceptance on; default: a held-out share of the prompts."},
+    )
     eval_fraction: float = field(default=0.05, metadata={"help": "Share of prompts held out for evaluation."})
     eval_prompts: int = field(default=16, metadata={"help": "Held-out prompts the acceptance is measured on."})
     eval_new_tokens: int = field(default=128, metadata={"help": "Greedy tokens the base writes per held-out prompt."})
@@ -103,7 +107,7 @@ class SpeculatorTrainingArguments:
     hub_model_id: str | None = field(default=None, metadata={"help": "Hub repo for --push-to-hub."})
 
     def __post_init__(self):
-        for name in ("data", "prompts"):
+        for name in ("data", "prompts", "eval_data"):
             value = getattr(self, name)
             if isinstance(value, (str, os.PathLike)):
                 value = [value]

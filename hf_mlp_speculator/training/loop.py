@@ -200,11 +200,15 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     if accelerator.is_main_process:
         claim_output_dir(output_dir, args.result_settings(), args.resume)
     accelerator.wait_for_everyone()
-    torch.manual_seed(args.seed)  # the same initial speculator on every process
     base, tokenizer = load_base(args, accelerator.device)
     budget = args.max_train_minutes * 60
+    building = time.monotonic()
     data = build_training_data(args, base, tokenizer, accelerator, budget * TARGETS_SHARE)
+    # The targets count with the time they took when computed, not with the time reading them from the cache took
+    # now: a rerun or a resumed run plans the same training as the first run.
+    started += time.monotonic() - building - data.seconds
 
+    torch.manual_seed(args.seed)  # the same initial speculator on every process, whatever was cached
     speculator = make_speculator(args, base, data.train)
     del base  # the rest needs only the targets
     optimizer = torch.optim.AdamW(
@@ -257,7 +261,9 @@ def train(args: SpeculatorTrainingArguments) -> Path:
             timing = time.perf_counter()
             training_step(0, update=False)
             seconds_per_step = min(seconds_per_step, time.perf_counter() - timing)
-        state.total_steps = plan_steps(args, epochs, seconds_per_step, budget - (time.monotonic() - started))
+        # What is left of the budget, less a little for the evaluations, checkpoints and the final save.
+        budget_left = 0.97 * budget - (time.monotonic() - started)
+        state.total_steps = plan_steps(args, epochs, seconds_per_step, budget_left)
     eval_every = args.eval_every or max(1, state.total_steps // 10)
     save_every = args.save_every or max(1, state.total_steps // 5)
 

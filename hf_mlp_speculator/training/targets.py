@@ -134,11 +134,13 @@ def continue_prompts(
     temperature: float = 0.0,
     sampling_top_k: int = 0,
     seed: int = 0,
+    on_tokens=None,
 ) -> Targets:
     """
     The base model continues all `prompts` in one batch, left-padded, until each row emits an end-of-sequence token or
     `max_new_tokens`; finished rows leave the batch. One sequence of rows per prompt, from its last prompt position on.
     Greedy at temperature 0, else sampled (after `sampling_top_k`, if set) with a generator seeded by `seed`.
+    `on_tokens(n)`, if given, hears of the `n` tokens of each decoding step (for a progress bar).
     """
     device = base.device
     generator = torch.Generator(device).manual_seed(seed)
@@ -154,6 +156,8 @@ def continue_prompts(
         state, step_logits = output.hidden_states[-1][:, -1], output.logits[:, -1].float()
         token = _new_token(step_logits, temperature, sampling_top_k, generator)
         step_ids, step_logprobs = top_logprobs(step_logits, top_k)
+        if on_tokens is not None:
+            on_tokens(len(rows))
         for row, prompt in enumerate(rows.tolist()):
             for kept, value in zip((states, tokens, ids, logprobs), (state, token, step_ids, step_logprobs)):
                 kept[prompt].append(value[row])

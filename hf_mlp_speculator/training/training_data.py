@@ -2,8 +2,9 @@
 
 Training targets come in batches, each one file of the target cache: teacher forcing on `text_tokens` of the text
 (`--data`), then the continuations of the training prompts, then, with `synthesize_prompts`, of user turns the base
-model wrote itself. Without a time budget every batch is computed. With one, batches are added until the seconds they
-took (as recorded in the cache, so that a resumed run makes the same choice) reach the budget. The held-out targets are
+model wrote itself. Without a time budget every batch is computed. With one, batches are added as long as the seconds
+they took (as recorded in the cache, so that a resumed run makes the same choice), plus those of one more, fit the
+budget. The held-out targets are
 the greedy continuations of the first `eval_prompts` held-out prompts.
 
 Under several processes, batch `i` of each round is computed by process `i % processes`, and every process then reads
@@ -30,10 +31,13 @@ logger = logging.get_logger(__name__)
 class TrainingData:
     train: Targets
     eval: Targets
+    seconds: float  # what computing them took, as recorded in the cache: the share of a time budget they used
 
 
 def _prompt_source(args, tokenizer) -> Corpus:
-    return Corpus(args.prompts or args.data, tokenizer, args.eval_fraction, args.text_field)
+    # With prompts of their own for evaluation, none of the training prompts needs to be held out.
+    eval_fraction = 0.0 if args.eval_data else args.eval_fraction
+    return Corpus(args.prompts or args.data, tokenizer, eval_fraction, args.text_field)
 
 
 def _prompts(corpus: Corpus, args, held_out: bool):
@@ -45,6 +49,8 @@ def _prompts(corpus: Corpus, args, held_out: bool):
 
 def build_training_data(args, base, tokenizer, accelerator, budget_seconds: float = 0.0) -> TrainingData:
     cache = TargetCache(args.targets_cache or cache_dir() / "targets")
+    progress = Progress(None, "Computing the base model's targets", "tokens",
+                        disable=not accelerator.is_local_main_process)  # fmt: skip
     base_key = {"base": fingerprint(base), "top_k": args.distill_top_k}
     eos = base.generation_config.eos_token_id
     eos = sorted({*([eos] if isinstance(eos, int) else eos or []), tokenizer.eos_token_id} - {None})
@@ -57,7 +63,8 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
                "temperature": args.temperature if sampled else 0.0, "sampling_top_k": args.sampling_top_k * sampled,
                "seed": seed * sampled}  # fmt: skip
         build = lambda: continue_prompts(  # noqa: E731
-            base, prompts, new_tokens, eos, pad, args.distill_top_k, key["temperature"], args.sampling_top_k, seed
+            base, prompts, new_tokens, eos, pad, args.distill_top_k, key["temperature"], args.sampling_top_k, seed,
+            on_tokens=progress.update,
         )
         return key, build
 
@@ -73,35 +80,40 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
         return results
 
     corpus = _prompt_source(args, tokenizer)
-    held_out = list(itertools.islice(_prompts(corpus, args, held_out=True), args.eval_prompts))
+    if args.eval_data:
+        held_out = Corpus(args.eval_data, tokenizer, 0.0, args.text_field).prompts(args.prompt_length)
+    else:
+        held_out = _prompts(corpus, args, held_out=True)
+    held_out = list(itertools.islice(held_out, args.eval_prompts))
     if not held_out:
         raise ValueError(
-            f"No held-out prompt in {', '.join(corpus.sources)} (eval_fraction={args.eval_fraction}): the acceptance "
-            "would be measured on nothing. Give more prompts, or raise eval_fraction."
+            f"No held-out prompt in {', '.join(args.eval_data or corpus.sources)} (eval_fraction="
+            f"{args.eval_fraction}): the acceptance would be measured on nothing. Give more prompts, or raise "
+            "eval_fraction."
         )
     batches = [held_out[i : i + args.generation_batch_size] for i in range(0, len(held_out), args.generation_batch_size)]
     evaluation = computed([continuation(b, args.eval_new_tokens, True, 0) for b in batches])
-    spent = sum(seconds for _, seconds in evaluation)
+    spent = sum(seconds for _, seconds in evaluation) / world  # the processes compute in parallel
 
-    jobs = iter(_training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, accelerator))
-    parts = []
-    with Progress(None, "Computing the base model's targets", "batches", disable=not accelerator.is_local_main_process
-                  ) as progress:  # fmt: skip
-        while not budget_seconds or spent < budget_seconds:
+    jobs = iter(_training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, held_out))
+    parts, last_round = [], 0.0
+    with progress:
+        # A round is only started if it should end within the budget, judging by the one before.
+        while not budget_seconds or spent + last_round <= budget_seconds:
             round_ = list(itertools.islice(jobs, world))
             if not round_:
                 break
-            for targets, seconds in computed(round_):
-                parts.append(targets)
-                spent += seconds
-            tokens = sum(len(p) for p in parts)
-            progress.update(len(round_), positions=tokens, minutes=f"{spent / 60:.1f}")
+            results = computed(round_)
+            last_round = max(seconds for _, seconds in results)
+            spent += sum(seconds for _, seconds in results) / world
+            parts += [targets for targets, _ in results]
+            progress.update(0, positions=sum(len(p) for p in parts), minutes=f"{spent / 60:.1f}")
     if not parts:
         raise ValueError("The training data gave no sequence to learn from. Give more prompts or data.")
-    return TrainingData(train=Targets.concatenate(parts), eval=Targets.concatenate([t for t, _ in evaluation]))
+    return TrainingData(Targets.concatenate(parts), Targets.concatenate([t for t, _ in evaluation]), spent)
 
 
-def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, accelerator):
+def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, held_out):
     """The (key, build) pairs of the training target batches, in the order they are used."""
     if args.text_tokens:
         text = Corpus(args.data, tokenizer, args.eval_fraction, args.text_field)
@@ -116,7 +128,7 @@ def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key,
         prompts = itertools.islice(prompts, args.num_prompts)
     batch_size = args.generation_batch_size
     # Synthesized prompts must not repeat these, nor the demo's and the benchmark's evaluation prompts.
-    seen_ids = {tuple(p) for p in _prompts(corpus, args, held_out=True)}
+    seen_ids = {tuple(p) for p in _prompts(corpus, args, held_out=True)} | {tuple(p) for p in held_out}
     seen_text = {normalized(p) for p in evaluation_prompts()}
     for index, chunk in enumerate(iter(lambda: list(itertools.islice(prompts, batch_size)), [])):
         seen_ids.update(tuple(p) for p in chunk)
