@@ -70,11 +70,12 @@ def test_changed_source_is_rebuilt(conversion, change):
         assert json.loads((folder / "config.json").read_text()) == {"source_size": 204}
 
 
-def test_transformers_upgrade_rebuilds(conversion, monkeypatch):
+def test_library_upgrade_does_not_rebuild(conversion, monkeypatch):
+    """A `pip install -U` changes nothing the conversion depends on: the cache stays valid."""
     default_models.default_base_model()
     monkeypatch.setattr(transformers, "__version__", "99.0.0")
     default_models.default_base_model()
-    assert conversion.calls == 2
+    assert conversion.calls == 1
 
 
 @pytest.mark.parametrize(
@@ -124,11 +125,16 @@ def test_missing_package_error_names_the_install_command(monkeypatch):
         default_models.find_base_gguf()
 
 
-def test_evaluation_prompts_are_held_out():
-    train = set(default_models.read_prompts(default_models.TRAIN_PROMPTS))
-    evaluation = default_models.evaluation_prompts()
-    assert len(evaluation) >= 16 and len(train) >= 300
-    assert not train & set(evaluation)
+def test_evaluation_and_validation_prompts_are_held_out():
+    from hf_mlp_speculator.training.prompts import normalized
+
+    def prompts(path):
+        return {normalized(p) for p in default_models.read_prompts(path)}
+
+    train, validation = prompts(default_models.TRAIN_PROMPTS), prompts(default_models.VALIDATION_PROMPTS)
+    evaluation = prompts(default_models.EVAL_PROMPTS)
+    assert len(evaluation) >= 16 and len(validation) >= 32 and len(train) >= 300
+    assert not train & evaluation and not train & validation and not validation & evaluation
 
 
 def fake_base_and_trainer(tmp_path, monkeypatch, train):
@@ -150,10 +156,14 @@ def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path,
 
     def train(args):
         seen.append(args)
-        data = "".join(Path(path).read_text() for path in args.data + args.stage2_data)
-        assert not any(prompt in data for prompt in default_models.evaluation_prompts())
-        # Stage 2 continues the chat prompts, rendered with the base model's chat template up to the answer.
-        assert "<user>Hi! How are you today?<assistant>" in Path(args.stage2_data[0]).read_text()
+        def texts(path):
+            return "".join(json.loads(line)["text"] for line in Path(path).read_text().splitlines())
+
+        prompts, validation = texts(args.prompts[0]), texts(args.eval_data[0])
+        assert not any(prompt in prompts + validation for prompt in default_models.evaluation_prompts())
+        # The base continues the chat prompts, rendered with its chat template up to the answer.
+        assert "<user>Hi! How are you today?<assistant>" in prompts
+        assert all(p in validation for p in default_models.read_prompts(default_models.VALIDATION_PROMPTS))
         final = Path(args.output_dir) / "final"
         final.mkdir(parents=True)
         (final / "config.json").write_text("{}")
@@ -164,10 +174,14 @@ def test_speculator_is_trained_once_on_data_without_evaluation_prompts(tmp_path,
     folder = default_models.default_speculator(base)
     assert default_models.default_speculator(base) == folder and len(seen) == 1
     assert seen[0].base_model == str(base) and seen[0].n_predict == default_models.SPECULATOR_TRAINING["n_predict"]
+    assert seen[0].max_train_minutes == default_models.TRAINING_MINUTES
     assert (folder / "config.json").is_file()
     # The model card's usage snippet names the cached folder, not the training folder that is gone.
     assert (folder / "README.md").read_text() == f'AutoModel.from_pretrained("{folder}")'
-    # A different base model needs a speculator of its own.
+    # A library upgrade keeps it; a different base model needs a speculator of its own.
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    default_models.default_speculator(base)
+    assert len(seen) == 1
     (base / "config.json").write_text('{"hidden_size": 1}')
     default_models.default_speculator(base)
     assert len(seen) == 2
@@ -180,6 +194,7 @@ def test_killed_speculator_training_resumes_and_only_the_model_is_cached(tmp_pat
         calls.append(args.resume)
         output = Path(args.output_dir)
         (output / "checkpoint-20").mkdir(parents=True, exist_ok=True)
+        (output / "run.json").write_text("{}")
         if len(calls) == 1:
             raise KeyboardInterrupt  # killed after its first checkpoint
         (output / "config.json").write_text("{}")
@@ -190,5 +205,5 @@ def test_killed_speculator_training_resumes_and_only_the_model_is_cached(tmp_pat
         default_models.default_speculator(base)
     folder = default_models.default_speculator(base)
     assert calls == [False, True]  # the second run picked up the first run's checkpoint
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json"]  # no run.json, no checkpoint
     assert not any(p.name.startswith(".") for p in folder.parent.iterdir())  # training folder removed once cached

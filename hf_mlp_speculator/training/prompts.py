@@ -11,6 +11,8 @@ import re
 import torch
 from transformers.utils import logging
 
+from .targets import end_of_sequence_ids
+
 logger = logging.get_logger(__name__)
 
 _SENTINEL = "\u2063hf-mlp-speculator-user-turn\u2063"
@@ -46,7 +48,7 @@ def synthesize_user_turns(base, tokenizer, count: int, seed: int, max_new_tokens
     0.95), ending at the end of the turn. Some come out empty or cut off; callers filter them.
     """
     prefix = torch.tensor([user_prefix(tokenizer)], device=base.device)
-    end_of_turn = {tokenizer.eos_token_id, *(base.generation_config.eos_token_id or [])} - {None}
+    end_of_turn = set(end_of_sequence_ids(base, tokenizer))
     torch.manual_seed(seed)
     output = base.generate(
         prefix.repeat(count, 1), attention_mask=torch.ones(count, prefix.shape[1], dtype=torch.long, device=base.device),

@@ -106,6 +106,12 @@ class Targets:
         return torch.bincount(self.next_tokens, minlength=vocab_size)
 
 
+def end_of_sequence_ids(base, tokenizer) -> list[int]:
+    """Every id that ends the base model's turn: its generation config's and its tokenizer's end-of-sequence ids."""
+    eos = base.generation_config.eos_token_id
+    return sorted({*([eos] if isinstance(eos, int) else eos or []), tokenizer.eos_token_id} - {None})
+
+
 def top_logprobs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `top_k` most likely tokens and their log-probabilities against the whole vocabulary, so that the soft labels
     carry the base model's real confidence (a logsumexp, not a softmax, over the vocabulary)."""

@@ -22,7 +22,7 @@ from ..default_models import cache_dir, evaluation_prompts
 from .documents import Corpus
 from .progress import Progress
 from .prompts import keep_new, normalized, render_chat_prompt, synthesize_user_turns
-from .targets import TargetCache, Targets, continue_prompts, fingerprint, teacher_force
+from .targets import TargetCache, Targets, continue_prompts, end_of_sequence_ids, fingerprint, teacher_force
 
 logger = logging.get_logger(__name__)
 
@@ -52,8 +52,7 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
     progress = Progress(None, "Computing the base model's targets", "tokens",
                         disable=not accelerator.is_local_main_process)  # fmt: skip
     base_key = {"base": fingerprint(base), "top_k": args.distill_top_k}
-    eos = base.generation_config.eos_token_id
-    eos = sorted({*([eos] if isinstance(eos, int) else eos or []), tokenizer.eos_token_id} - {None})
+    eos = end_of_sequence_ids(base, tokenizer)
     pad = next((t for t in (tokenizer.pad_token_id, *eos) if t is not None), 0)
     world, rank = accelerator.num_processes, accelerator.process_index
 
@@ -103,9 +102,10 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
             round_ = list(itertools.islice(jobs, world))
             if not round_:
                 break
-            results = computed(round_)
-            last_round = max(seconds for _, seconds in results)
-            spent += sum(seconds for _, seconds in results) / world
+            results = computed([(key, build) for key, build, _ in round_])
+            seconds = [built + extra for (_, built), (_, _, extra) in zip(results, round_)]
+            last_round = max(seconds)
+            spent += sum(seconds) / world
             parts += [targets for targets, _ in results]
             progress.update(0, positions=sum(len(p) for p in parts), minutes=f"{spent / 60:.1f}")
     if not parts:
@@ -114,14 +114,14 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
 
 
 def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, held_out):
-    """The (key, build) pairs of the training target batches, in the order they are used."""
+    """The (key, build, extra seconds) of the training target batches, in the order they are used."""
     if args.text_tokens:
         text = Corpus(args.data, tokenizer, args.eval_fraction, args.text_field)
         rows = max(1, 2**14 // args.seq_length)  # about 16k tokens per forward
         sequences = itertools.islice(text.sequences(args.seq_length + 1), args.text_tokens // args.seq_length)
         while chunk := list(itertools.islice(sequences, rows)):
             key = {**base_key, "kind": "text", "sequences": [s.tolist() for s in chunk]}
-            yield key, (lambda chunk=chunk: teacher_force(base, torch.stack(chunk), args.distill_top_k))
+            yield key, (lambda chunk=chunk: teacher_force(base, torch.stack(chunk), args.distill_top_k)), 0.0
 
     prompts = _prompts(corpus, args, held_out=False)
     if args.num_prompts:
@@ -132,14 +132,17 @@ def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key,
     seen_text = {normalized(p) for p in evaluation_prompts()}
     for index, chunk in enumerate(iter(lambda: list(itertools.islice(prompts, batch_size)), [])):
         seen_ids.update(tuple(p) for p in chunk)
-        yield continuation(chunk, args.new_tokens, args.temperature == 0, args.seed * 7919 + index)
+        yield *continuation(chunk, args.new_tokens, args.temperature == 0, args.seed * 7919 + index), 0.0
 
-    kept = 0
+    kept, writing = 0, 0.0  # the seconds the base spent writing prompts count with the batch that continues them
     for index in itertools.count():
         if kept >= args.synthesize_prompts:
             break
         key = {**base_key, "kind": "user turns", "seed": args.seed, "batch": index, "size": batch_size}
-        turns, _ = cache.get(key, lambda: synthesize_user_turns(base, tokenizer, batch_size, args.seed * 104729 + index))
+        turns, seconds = cache.get(
+            key, lambda: synthesize_user_turns(base, tokenizer, batch_size, args.seed * 104729 + index)
+        )
+        writing += seconds
         rendered = []
         for text in keep_new(turns, seen_text):
             ids = render_chat_prompt(tokenizer, text)
@@ -148,4 +151,5 @@ def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key,
                 rendered.append(ids)
                 kept += 1
         if rendered:
-            yield continuation(rendered, args.new_tokens, args.temperature == 0, -(index + 1))
+            yield *continuation(rendered, args.new_tokens, args.temperature == 0, -(index + 1)), writing
+            writing = 0.0
