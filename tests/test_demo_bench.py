@@ -21,7 +21,7 @@ from hf_mlp_speculator.bench import (
     new_tokens_per_row,
     summarize,
 )
-from hf_mlp_speculator.data import left_padded
+from hf_mlp_speculator.training.documents import left_padded
 from hf_mlp_speculator.modeling_mlp_speculator import MLPSpeculator
 from hf_mlp_speculator.timing import GenerationRun, load_pair, token_latencies
 

@@ -190,6 +190,70 @@ def plan_steps(args, epochs: Epochs, seconds_per_step: float, budget_left: float
     return steps
 
 
+class OptimizerStep:
+    """One optimizer step of the speculator on a global batch: this process's micro-batches of it, accumulated."""
+
+    def __init__(self, speculator, optimizer, targets: Targets, epochs: Epochs, args, accelerator):
+        self.speculator, self.optimizer, self.targets, self.epochs = speculator, optimizer, targets, epochs
+        self.args, self.accelerator = args, accelerator
+        heads = accelerator.unwrap_model(speculator).speculator
+        self.draft_vocab = heads.draft_vocab
+        self.index = draft_index(heads.draft_vocab, heads.vocab_size, accelerator.device)
+        self.weights = torch.tensor([args.head_loss_decay**i for i in range(args.n_predict)], device=accelerator.device)
+
+    def __call__(self, step: int, update: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs global batch `step` (with `update=False`, only its forwards and backwards, to time it); returns the
+        per-head mean losses and the acceptance counts over the whole global batch."""
+        args, accelerator, speculator = self.args, self.accelerator, self.speculator
+        world, rank = accelerator.num_processes, accelerator.process_index
+        batch = self.targets.batch(self.epochs.rows(step), args.n_predict)
+        head_positions = (batch.labels != -100).sum(1).clamp(min=1).to(accelerator.device)
+        mine = batch.split(args.batch_size)[rank::world]  # micro-step m of this process: global micro-batch m*world+rank
+        loss_sum, counts = 0, 0
+        for micro_step, micro in enumerate(mine):
+            micro = micro.to(accelerator.device)
+            last = micro_step == len(mine) - 1
+            with accelerator.no_sync(speculator) if not last else contextlib.nullcontext():
+                with accelerator.autocast():
+                    logits = speculator(micro.states[:, None], micro.input_ids).logits[:, :, 0]
+                losses = token_losses(logits, micro, self.index, args.loss).sum(1)
+                # DDP averages gradients over processes: scaled by `world`, the result is the global token mean.
+                accelerator.backward((self.weights * losses / head_positions).sum() * world)
+            loss_sum = loss_sum + losses.detach()
+            counts = counts + acceptance_counts(logits.detach(), micro, self.draft_vocab)
+        if update:
+            if args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(speculator.parameters(), args.max_grad_norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return accelerator.reduce(loss_sum, "sum") / head_positions, accelerator.reduce(counts, "sum")
+
+    def seconds(self) -> float:
+        """How long a step takes (the faster of two, as the first pays one-time costs), to fill a time budget."""
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            self(0, update=False)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+
+def start_or_resume(args, output_dir: Path, optimizer_step: OptimizerStep, epochs: Epochs, budget_left) -> TrainerState:
+    """The state of a fresh run, with its planned steps, or the one its latest checkpoint left (`--resume`)."""
+    checkpoint = latest_checkpoint(output_dir) if args.resume else None
+    if checkpoint is not None:
+        accelerator = optimizer_step.accelerator
+        state = load_checkpoint(
+            checkpoint, accelerator.unwrap_model(optimizer_step.speculator), optimizer_step.optimizer, accelerator.device
+        )
+        logger.info(f"Resumed from {checkpoint} at step {state.step} of {state.total_steps}.")
+        return state
+    if args.resume:
+        logger.warning(f"--resume: no checkpoint in {output_dir}, starting from scratch.")
+    seconds_per_step = optimizer_step.seconds() if args.max_train_minutes else 0.0
+    return TrainerState(total_steps=plan_steps(args, epochs, seconds_per_step, budget_left()))
+
+
 def train(args: SpeculatorTrainingArguments) -> Path:
     """Trains a speculator as `args` describe; returns `args.output_dir`, holding it in the published layout."""
     started = time.monotonic()
@@ -216,54 +280,11 @@ def train(args: SpeculatorTrainingArguments) -> Path:
         betas=(args.adam_beta1, args.adam_beta2),
     )  # fmt: skip
     speculator, optimizer = accelerator.prepare(speculator, optimizer)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    rows_per_step = args.batch_size * world * args.gradient_accumulation_steps
+    rows_per_step = args.batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     epochs = Epochs(data.train, rows_per_step, args.seed)
-    draft_vocab = accelerator.unwrap_model(speculator).speculator.draft_vocab
-    index = draft_index(draft_vocab, accelerator.unwrap_model(speculator).config.vocab_size, accelerator.device)
-    weights = torch.tensor([args.head_loss_decay**i for i in range(args.n_predict)], device=accelerator.device)
-
-    def training_step(step: int, update: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on the global batch `step` (with `update=False`, only its forward and backward)."""
-        batch = data.train.batch(epochs.rows(step), args.n_predict)
-        head_positions = (batch.labels != -100).sum(1).clamp(min=1).to(accelerator.device)
-        micro_batches = batch.split(args.batch_size)
-        mine = micro_batches[rank :: world]  # micro-step m of this process: global micro-batch m * world + rank
-        loss_sum, counts = 0, 0
-        for micro_step, micro in enumerate(mine):
-            micro = micro.to(accelerator.device)
-            last = micro_step == len(mine) - 1
-            with accelerator.no_sync(speculator) if not last else contextlib.nullcontext():
-                with accelerator.autocast():
-                    logits = speculator(micro.states[:, None], micro.input_ids).logits[:, :, 0]
-                losses = token_losses(logits, micro, index, args.loss).sum(1)
-                # DDP averages gradients over processes: scaled by `world`, the result is the global token mean.
-                accelerator.backward((weights * losses / head_positions).sum() * world)
-            loss_sum = loss_sum + losses.detach()
-            counts = counts + acceptance_counts(logits.detach(), micro, draft_vocab)
-        if update:
-            if args.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(speculator.parameters(), args.max_grad_norm)
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return accelerator.reduce(loss_sum, "sum") / head_positions, accelerator.reduce(counts, "sum")
-
-    state = TrainerState()
-    checkpoint = latest_checkpoint(output_dir) if args.resume else None
-    if checkpoint is not None:
-        state = load_checkpoint(checkpoint, accelerator.unwrap_model(speculator), optimizer, accelerator.device)
-        logger.info(f"Resumed from {checkpoint} at step {state.step} of {state.total_steps}.")
-    else:
-        if args.resume:
-            logger.warning(f"--resume: no checkpoint in {output_dir}, starting from scratch.")
-        seconds_per_step = float("inf")
-        for _ in range(2):  # how long a step takes, to fill a time budget (the first pays one-time costs)
-            timing = time.perf_counter()
-            training_step(0, update=False)
-            seconds_per_step = min(seconds_per_step, time.perf_counter() - timing)
-        # What is left of the budget, less a little for the evaluations, checkpoints and the final save.
-        budget_left = 0.97 * budget - (time.monotonic() - started)
-        state.total_steps = plan_steps(args, epochs, seconds_per_step, budget_left)
+    optimizer_step = OptimizerStep(speculator, optimizer, data.train, epochs, args, accelerator)
+    # What is left of the budget, less a little for the evaluations, checkpoints and the final save.
+    state = start_or_resume(args, output_dir, optimizer_step, epochs, lambda: 0.97 * budget - (time.monotonic() - started))
     eval_every = args.eval_every or max(1, state.total_steps // 10)
     save_every = args.save_every or max(1, state.total_steps // 5)
 
@@ -283,7 +304,7 @@ def train(args: SpeculatorTrainingArguments) -> Path:
         lr = args.learning_rate * lr_multiplier(state.step, state.total_steps, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_per_head, counts = training_step(state.step)
+        loss_per_head, counts = optimizer_step(state.step)
         state.step += 1
         run_rows += rows_per_step
         metrics = {**summarize(counts, loss_per_head, "train"), "train/lr": lr,
@@ -295,11 +316,7 @@ def train(args: SpeculatorTrainingArguments) -> Path:
         saving = state.step % save_every == 0 and not finished
         if saving or finished or state.step % eval_every == 0:
             metrics.update(evaluate(speculator, data.eval, args, accelerator))
-            progress.write(
-                f"step {state.step}: held-out loss {metrics['eval/loss']:.3f}, per-head acceptance "
-                + "/".join(f"{metrics[f'eval/head_{i}_acceptance']:.3f}" for i in range(args.n_predict))
-                + f", expected tokens per step {metrics['eval/tokens_per_step']:.3f}"
-            )
+            progress.write(eval_line(metrics, state.step, args.n_predict))
         if "eval/loss" in metrics or state.step % args.logging_steps == 0:
             log(metrics)
         if saving and accelerator.is_main_process:
@@ -315,6 +332,14 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return output_dir
+
+
+def eval_line(metrics: dict, step: int, n_predict: int) -> str:
+    return (
+        f"step {step}: held-out loss {metrics['eval/loss']:.3f}, per-head acceptance "
+        + "/".join(f"{metrics[f'eval/head_{i}_acceptance']:.3f}" for i in range(n_predict))
+        + f", expected tokens per step {metrics['eval/tokens_per_step']:.3f}"
+    )
 
 
 def publish(speculator, state: TrainerState, args) -> None:
