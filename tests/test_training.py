@@ -1,37 +1,47 @@
-"""The trainer on tiny models: the loss pieces, both stages, the toy language, kill-and-resume, 2 processes, the CLI."""
+"""The trainer end to end on a toy language: what it publishes, exact resumption after a SIGKILL from outside, two
+processes and gradient accumulation against one large batch, the output-folder guard, the time budget and bad
+settings."""
 
+import argparse
+import copy
 import dataclasses
 import json
 import math
 import os
 import random
 import re
+import signal
 import string
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM
 
 from conftest import make_verifier
 from hf_mlp_speculator.training import (
-    KILL_ENV,
     SpeculatorTrainingArguments,
-    head_statistics,
+    add_arguments,
+    from_namespace,
     latest_checkpoint,
     lr_multiplier,
-    speculator_batch,
     train,
 )
+from hf_mlp_speculator.training import loop
+from hf_mlp_speculator.training.loop import Epochs, plan_steps
 from tiny_tokenizer import char_tokenizer
+
+LETTERS = [ord(c) - 31 for c in string.ascii_lowercase]  # the char tokenizer's ids of a..z
 
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    # Tiny models run far faster on one thread, and on a loaded machine a second one mostly waits for a core.
+    # Tiny models run far faster on one thread, and the subprocesses get OMP_NUM_THREADS=1: the same arithmetic.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -46,10 +56,13 @@ def toy_document(rng: random.Random) -> str:
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    """A corpus of the toy language, and a tiny Llama (with its tokenizer) that has learned it."""
+    """A corpus and prompts of the toy language, and a tiny Llama (with its tokenizer) that has learned it."""
     root = tmp_path_factory.mktemp("toy")
     rng = random.Random(0)
     (root / "corpus.txt").write_text("\n\n".join(toy_document(rng) for _ in range(300)))
+    (root / "prompts.jsonl").write_text(
+        "".join(json.dumps({"text": toy_document(rng)[: rng.randint(3, 12)]}) + "\n" for _ in range(80))
+    )
     tokenizer = char_tokenizer()
     base = make_verifier("llama").train()
     optimizer = torch.optim.AdamW(base.parameters(), lr=1e-2)
@@ -65,10 +78,11 @@ def toy(tmp_path_factory):
 
 def toy_args(toy, output_dir, **overrides) -> SpeculatorTrainingArguments:
     settings = dict(
-        base_model=str(toy / "base"), data=[str(toy / "corpus.txt")], output_dir=str(output_dir), inner_dim=32,
-        seq_length=32, batch_size=4, stage1_steps=6, stage2_steps=4, warmup_steps=2, learning_rate=3e-3,
-        stage2_prompt_length=8, stage2_new_tokens=16, eval_sequences=4, eval_new_tokens=16, eval_fraction=0.1,
-        save_every=0, logging_steps=1, report_to="none",
+        base_model=str(toy / "base"), prompts=[str(toy / "prompts.jsonl")], data=[str(toy / "corpus.txt")],
+        output_dir=str(output_dir), targets_cache=str(toy / "cache"), inner_dim=32, new_tokens=16,
+        eval_new_tokens=16, eval_prompts=4, eval_fraction=0.1, text_tokens=1024, seq_length=32,
+        generation_batch_size=16, batch_size=32, epochs=1, learning_rate=1e-2, warmup_steps=2, logging_steps=1,
+        report_to="none",
     )  # fmt: skip
     return SpeculatorTrainingArguments(**{**settings, **overrides})
 
@@ -86,173 +100,440 @@ def as_flags(args: SpeculatorTrainingArguments) -> list[str]:
     return flags
 
 
-def run_cli(args, *extra, env=None, module="hf_mlp_speculator.cli", launcher=(sys.executable, "-m")):
-    command = [*launcher, module, *(["train"] if module.endswith("cli") else []), *as_flags(args), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+def cli_command(args, module="hf_mlp_speculator.cli", launcher=(sys.executable, "-m")) -> list[str]:
+    return [*launcher, module, *(["train"] if module.endswith("cli") else []), *as_flags(args)]
 
 
-def history(output_dir, key):
+CLI_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def history(output_dir, key) -> dict:
     log = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
     return {entry["step"]: entry[key] for entry in log if key in entry}
 
 
-def test_lr_multiplier_follows_both_stages():
-    args = SpeculatorTrainingArguments(base_model="x", data=["x"], stage1_steps=10, stage2_steps=5, warmup_steps=2)
-    values = [lr_multiplier(step, args) for step in range(15)]
-    assert values[:2] == [0.5, 1.0]  # warmup to the peak
-    assert values[2] == pytest.approx(1.0) and values[9] == pytest.approx(
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8))
-    )
-    assert values[10:12] == [pytest.approx(0.05), pytest.approx(0.1)]  # stage 2 warms up to 0.1x ...
-    assert values[14] == pytest.approx(0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * 2 / 3)))  # ... and decays to 0.01x
+def weights(output_dir) -> dict:
+    return load_file(Path(output_dir) / "model.safetensors")
 
 
-def test_speculator_batch_aligns_heads_with_their_targets():
-    base = make_verifier("gpt2")
-    tokens = torch.randint(6, 96, (2, 12))
-    tokens[0, 7] = 5  # an end of sequence inside the learned part of row 0
-    hidden, input_ids, labels = speculator_batch(base, tokens, n_predict=3, start=2, eos_token_id=5)
-    expected_hidden = base(tokens[:, :8], output_hidden_states=True).hidden_states[-1][:, 2:]
-    assert torch.equal(hidden, expected_hidden) and hidden.shape == (2, 6, 64)
-    assert torch.equal(input_ids, tokens[:, 3:])
-    for head in range(3):  # the state at t learns token t + 2 + head
-        assert torch.equal(labels[head, 1], tokens[1, 4 + head : 10 + head])
-        # Row 0: the eos at 7 is learned, the padding after it is not.
-        kept = [position for position in range(4 + head, 10 + head) if position <= 7]
-        assert labels[head, 0].tolist() == tokens[0, kept].tolist() + [-100] * (6 - len(kept))
+def assert_same_weights(a, b) -> None:
+    a, b = weights(a), weights(b)
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"not bit-identical: {different}"
 
 
-def test_head_statistics_counts_acceptance_as_heads_all_right():
-    labels = torch.tensor([[[1, 2, 3, -100]], [[1, 2, 3, -100]]])  # [heads, batch, positions]
-    predictions = torch.tensor([[[1, 2, 0, 0]], [[1, 0, 3, 3]]])
-    logits = torch.nn.functional.one_hot(predictions, 4).float() * 20
-    mean_losses, stats = head_statistics(logits, labels)
-    hits, accepted, counts = stats[1:].tolist()
-    assert hits == [2, 2] and accepted == [2, 1] and counts == [3, 3]
-    assert mean_losses[0].item() == pytest.approx(20 / 3, abs=1e-4)  # one wrong position at a margin of 20
+# The schedule and the settings.
 
 
-def test_toy_language_both_stages_and_the_published_output(toy, tmp_path):
-    """Each stage lowers the held-out loss; the heads end near-perfect and draft > 2 tokens per step in generate()."""
-    args = toy_args(toy, tmp_path / "run", stage1_steps=40, stage2_steps=15, warmup_steps=5, learning_rate=1e-2)
+def test_lr_multiplier_warms_up_then_decays_along_a_cosine_to_min_lr_ratio():
+    args = SpeculatorTrainingArguments(base_model="x", prompts=["x"], warmup_steps=4, min_lr_ratio=0.2)
+    values = [lr_multiplier(step, 20, args) for step in range(21)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warmup, reaching the peak at the last warmup step
+    for step in range(4, 21):  # then a cosine over the remaining 16 steps, from 1 down to 0.2
+        assert values[step] == pytest.approx(0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * (step - 4) / 16)))
+    assert values[12] == pytest.approx(0.6) and values[20] == pytest.approx(0.2)
+    assert all(a > b for a, b in zip(values[4:], values[5:]))
+    # A warmup longer than the run is cut to the run.
+    assert [lr_multiplier(s, 2, args) for s in range(2)] == [0.5, 1.0]
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"batch_size": 0}, r"batch_size must be at least 1, got 0"),
+        ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps must be at least 1, got 0"),
+        ({"eval_prompts": 0}, r"eval_prompts must be at least 1, got 0"),
+        ({"prompts": None}, r"No training data given: pass prompts .*--prompts.*--data"),
+        ({"prompts": []}, r"No training data given"),
+        ({"loss": "foo"}, r"loss must be one of soft, hard, mix, got 'foo'"),
+        ({"text_tokens": 100}, r"text_tokens=100 needs text to teacher-force: give it with --data"),
+        ({"new_tokens": 3}, r"new_tokens=3 leaves nothing to learn for n_predict=3: it must exceed n_predict"),
+        ({"new_tokens": 4, "n_predict": 4}, r"new_tokens=4 leaves nothing to learn for n_predict=4"),
+        ({"eval_new_tokens": 2}, r"eval_new_tokens=2 leaves nothing to learn for n_predict=3"),
+        ({"data": ["x"], "seq_length": 4}, r"seq_length=4 is too short for n_predict=3.*n_predict \+ 2 = 5"),
+        ({"eval_fraction": 1.0}, r"eval_fraction must be in \[0, 1\), got 1.0"),
+        ({"max_train_minutes": -1}, r"max_train_minutes must be >= 0, got -1"),
+        ({"dtype": "float64"}, r"dtype must be one of float32, bfloat16, float16, auto, got 'float64'"),
+    ],
+)
+def test_bad_settings_name_the_setting(settings, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculatorTrainingArguments(**{"base_model": "x", "prompts": ["p.txt"], **settings})
+
+
+def test_the_command_line_has_one_flag_per_setting(toy, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = toy_args(toy, tmp_path / "run", tie_weights=True, top_k_tokens_per_head=[3, 2, 2], max_train_minutes=2.5)
+    assert from_namespace(parser.parse_args(as_flags(args))) == args
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        from_namespace(parser.parse_args(as_flags(args) + ["--batch-size", "0"]))
+
+
+def test_plan_steps_fills_the_time_budget_or_runs_the_epochs():
+    epochs = argparse.Namespace(steps_per_epoch=40)
+    no_budget = SpeculatorTrainingArguments(base_model="x", prompts=["x"], epochs=2.5)
+    assert plan_steps(no_budget, epochs, seconds_per_step=100.0, budget_left=0.0) == 100
+    assert plan_steps(dataclasses.replace(no_budget, epochs=0.001), epochs, 1.0, 0.0) == 1
+    budget = SpeculatorTrainingArguments(base_model="x", prompts=["x"], max_train_minutes=1.0, epochs=2.5)
+    assert plan_steps(budget, epochs, seconds_per_step=0.25, budget_left=30.0) == 120  # the budget, not the epochs
+    assert plan_steps(budget, epochs, seconds_per_step=0.7, budget_left=30.0) == 42  # whole steps that fit
+    assert plan_steps(budget, epochs, seconds_per_step=30.0, budget_left=30.0) == 1
+    for budget_left, shown in ((29.0, "29 s"), (-5.0, "0 s")):
+        message = rf"--max-train-minutes 1 leaves {shown} after computing the targets, less than one training step"
+        with pytest.raises(ValueError, match=message + r" \(30\.0 s\)\. Raise --max-train-minutes"):
+            plan_steps(budget, epochs, seconds_per_step=30.0, budget_left=budget_left)
+
+
+def test_a_budget_too_small_for_any_training_says_so(toy, tmp_path):
+    """Not "give more prompts or data": the data is there, the budget is what is missing."""
+    args = toy_args(toy, tmp_path / "run", max_train_minutes=0.0001)
+    with pytest.raises(ValueError, match=r"--max-train-minutes 0.0001 is spent before any training target: the "
+                                         r"held-out targets alone took .* Raise --max-train-minutes"):  # fmt: skip
+        train(args)
+
+
+# The toy language end to end.
+
+
+PUBLISHED_KEYS = sorted(
+    f"speculator.{name}.{i}.{p}"
+    for name, p in [("emb", "weight"), ("proj", "weight"), ("head", "weight"), ("ln", "weight"), ("ln", "bias")]
+    for i in range(3)
+)
+
+
+@pytest.mark.parametrize("draft_vocab_size", [0, 30], ids=["full-vocab", "draft-vocab"])
+def test_toy_language_end_to_end(toy, tmp_path, draft_vocab_size):
+    """Held-out acceptance near 1, the published layout, lossless greedy generate() with > 2 tokens per step, and a
+    model card that reports the run and whose snippet runs. A 30-token draft vocabulary holds the 26 letters."""
+    # The heads start from the base (as wide as its hidden size) in the draft-vocabulary run.
+    extra = {"draft_vocab_size": draft_vocab_size, "init_from_base": True, "inner_dim": 64} if draft_vocab_size else {}
+    args = toy_args(toy, tmp_path / "run", batch_size=64, epochs=3, **extra)
     output_dir = train(args)
-    losses = history(output_dir, "eval/loss")
-    assert losses[0] > losses[40] > losses[55]
-    log = json.loads((output_dir / "trainer_state.json").read_text())["log_history"][-1]
-    acceptance = [log[f"eval/head_{i}_acceptance"] for i in range(3)]
-    assert min(acceptance) > 0.95 and log["eval/tokens_per_step"] == pytest.approx(1 + sum(acceptance))
+    assert Path(output_dir) == Path(args.output_dir)
+    log = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    evals = [entry for entry in log if "eval/loss" in entry]
+    assert evals[0]["step"] == 0 and evals[-1]["eval/loss"] < evals[0]["eval/loss"] / 4
+    final = evals[-1]
+    acceptance = [final[f"eval/head_{i}_acceptance"] for i in range(3)]
+    assert min(acceptance) > 0.95 and final["eval/tokens_per_step"] == pytest.approx(1 + sum(acceptance))
 
-    # The published layout, loadable by AutoModel, naming its base model.
+    # The published layout (plus the draft vocabulary's index), loadable by AutoModel, naming its base model.
     speculator = AutoModel.from_pretrained(output_dir)
     assert speculator.config.base_model_name_or_path == args.base_model
-    assert sorted(load_file(output_dir / "model.safetensors")) == sorted(
-        f"speculator.{name}.{i}.{p}" for name, p in [("emb", "weight"), ("proj", "weight"), ("head", "weight"),
-                                                     ("ln", "weight"), ("ln", "bias")] for i in range(3)
-    )  # fmt: skip
+    stored = weights(output_dir)
+    assert sorted(stored) == sorted(PUBLISHED_KEYS + (["speculator.draft_vocab"] if draft_vocab_size else []))
+    config = json.loads((output_dir / "config.json").read_text())
+    if draft_vocab_size:
+        draft_vocab = stored["speculator.draft_vocab"].tolist()
+        assert config["draft_vocab_size"] == 30 and len(draft_vocab) == 30 and draft_vocab == sorted(draft_vocab)
+        assert set(LETTERS) <= set(draft_vocab)  # the tokens the base model emits
+        assert stored["speculator.head.0.weight"].shape == (30, 64)
+    else:
+        assert "draft_vocab_size" not in config and stored["speculator.head.0.weight"].shape == (96, 32)
 
     base = AutoModelForCausalLM.from_pretrained(args.base_model)
-    prompt = char_tokenizer()("qrstuvwx", return_tensors="pt").input_ids
-    plain = base.generate(prompt, max_new_tokens=40, do_sample=False)
-    speculative = base.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=speculator)
-    assert torch.equal(plain, speculative)
-    assert speculator.speculation_metrics.mean_tokens_per_step > 2
+    tokenizer = char_tokenizer()
+    for text, fast in (("qrstuvwx", True), ("Hi! 42 {x}", False)):  # the second one starts outside the draft vocab
+        prompt = tokenizer(text, return_tensors="pt").input_ids
+        plain = base.generate(prompt, max_new_tokens=40, do_sample=False)
+        speculative = base.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=speculator)
+        assert torch.equal(plain, speculative)
+        if fast:
+            assert speculator.speculation_metrics.mean_tokens_per_step > 2
 
-    # The model card reports the held-out acceptance, and its usage snippet runs.
+    # The model card reports the final held-out figures of trainer_state.json, and its usage snippet runs.
     card = (output_dir / "README.md").read_text()
-    assert f"| 2 | {log['eval/head_2_acc']:.3f} | {acceptance[2]:.3f} |" in card
-    assert f"**{log['eval/tokens_per_step']:.3f}**" in card
+    for i in range(3):
+        assert f"| {i} | {final[f'eval/head_{i}_acc']:.3f} | {acceptance[i]:.3f} |" in card
+    assert f"**{final['eval/tokens_per_step']:.3f}**" in card and f"after step {final['step']})" in card
+    assert f"| `draft_vocab_size` | `{draft_vocab_size}` |" in card
     snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
     namespace = {}
     exec(snippet.replace("max_new_tokens=64", "max_new_tokens=8"), namespace)
     assert namespace["speculator"].speculation_metrics.num_steps > 0
 
 
+# Killed from outside and resumed: exactly the unbroken run.
+
+
+def kill_settings(toy, output_dir, cache) -> SpeculatorTrainingArguments:
+    """Many small target batches and many checkpoints, so that a kill from outside lands inside either phase. Tied
+    heads: a tied checkpoint stores only the shared tensors, and resuming must restore them all."""
+    return toy_args(toy, output_dir, targets_cache=str(cache), generation_batch_size=4, new_tokens=24,
+                    batch_size=16, save_every=10, tie_weights=True)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def toy_prompts(toy):
-    """Stage-2 prompts of different lengths, one per record."""
-    rng = random.Random(1)
-    path = toy / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"text": toy_document(rng)[: rng.randint(3, 12)]}) + "\n" for _ in range(80)))
-    return path
+def unbroken(toy, tmp_path_factory):
+    """The reference: one uninterrupted run, computing its own targets."""
+    root = tmp_path_factory.mktemp("unbroken")
+    train(kill_settings(toy, root / "run", root / "cache"))
+    return root
 
 
-@pytest.mark.parametrize("separate_prompts", [False, True], ids=["prompts-from-data", "stage2-data"])
-def test_resume_after_sigkill_is_exact(toy, toy_prompts, tmp_path, separate_prompts):
-    """
-    The CLI killed in the middle of writing a checkpoint leaves the previous one intact; resumed from it, the run ends
-    with the same weights, bit for bit, and the same loss trajectory as one unbroken run.
-    """
-    # Tied heads too: a tied checkpoint stores only the shared tensors, and resuming must restore them all.
-    extra = {"stage2_data": [str(toy_prompts)]} if separate_prompts else {}
-    # Checkpoint 5 falls inside stage 2's second generation (steps 5-7), so the resumed run must sample that
-    # generation's continuations again, identically, and train on the rest of them.
-    extra.update(stage1_steps=1, stage2_steps=10, stage2_steps_per_generation=3, save_every=5, tie_weights=True)
-    args = toy_args(toy, tmp_path / "killed", **extra)
-    killed = run_cli(args, env={KILL_ENV: "save:10"})
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    assert latest_checkpoint(args.output_dir).name == "checkpoint-5"
-    assert (tmp_path / "killed" / ".tmp-checkpoint-10" / "model.safetensors").is_file()  # incomplete, and ignored
+def kill_when(args: SpeculatorTrainingArguments, ready) -> None:
+    """Runs the CLI and SIGKILLs it from outside as soon as `ready()` holds."""
+    process = subprocess.Popen(cli_command(args), env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while process.poll() is None and not ready():
+            time.sleep(0.002)
+        killed = process.poll() is None
+        process.send_signal(signal.SIGKILL)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert killed, f"the run ended before it could be killed (exit {process.returncode}): {stderr[-2000:]}"
+    assert process.returncode == -signal.SIGKILL
+
+
+def test_killed_while_training_resumes_to_the_unbroken_run(toy, unbroken, tmp_path):
+    # The unbroken run's cache is complete: this run goes straight to training.
+    args = kill_settings(toy, tmp_path / "run", unbroken / "cache")
+    kill_when(args, lambda: latest_checkpoint(args.output_dir) is not None)
+    checkpoint = latest_checkpoint(args.output_dir)
+    assert not (tmp_path / "run" / "model.safetensors").exists()  # killed before the end
+    steps = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert 0 < steps["step"] < steps["total_steps"]
+    with pytest.raises(ValueError, match="already holds a training run. Pass --resume"):
+        train(args)
+
     train(dataclasses.replace(args, resume=True))
-    train(toy_args(toy, tmp_path / "unbroken", **extra))
-
-    weights, expected = (
-        load_file(tmp_path / "killed" / "model.safetensors"),
-        load_file(tmp_path / "unbroken" / "model.safetensors"),
-    )
-    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
-    assert history(tmp_path / "killed", "train/loss") == history(tmp_path / "unbroken", "train/loss")
-    assert sorted(p.name for p in (tmp_path / "killed").glob("*checkpoint-*")) == ["checkpoint-10", "checkpoint-5"]
+    assert_same_weights(tmp_path / "run", unbroken / "run")
+    for key in ("train/loss", "train/head_2_acceptance", "eval/loss"):
+        assert history(tmp_path / "run", key) == history(unbroken / "run", key)
+    assert len(history(tmp_path / "run", "train/loss")) == steps["total_steps"]
 
 
-def test_two_processes_match_one_with_the_same_global_batch(toy, tmp_path):
-    """torchrun with 2 CPU processes (gloo) and half the batch each follows the 1-process loss trajectory."""
-    settings = dict(stage2_temperature=0.0, stage1_steps=4, stage2_steps=2)  # greedy stage 2: no per-process sampling
-    train(toy_args(toy, tmp_path / "one", **settings))
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m")
-    two = run_cli(toy_args(toy, tmp_path / "two", batch_size=2, **settings), module="hf_mlp_speculator.training",
-                  launcher=launcher, env={"ACCELERATE_USE_CPU": "true"})  # fmt: skip
-    assert two.returncode == 0, two.stderr[-2000:]
+def test_killed_while_computing_targets_reuses_them_and_resumes_to_the_unbroken_run(toy, unbroken, tmp_path):
+    cache = tmp_path / "cache"
+    args = kill_settings(toy, tmp_path / "run", cache)
+    complete = sorted(p.name for p in (unbroken / "cache").glob("*.pt"))
+    kill_when(args, lambda: len(list(cache.glob("[!.]*.pt"))) >= 3)
+    assert latest_checkpoint(args.output_dir) is None  # still computing targets when killed
+    written = {p.name: p.stat().st_mtime_ns for p in cache.glob("[!.]*.pt")}
+    assert 3 <= len(written) < len(complete) and set(written) <= set(complete)
+
+    train(dataclasses.replace(args, resume=True))
+    # The files of the killed run are used as they are (not computed again), and the rest is added.
+    assert {name: (cache / name).stat().st_mtime_ns for name in written} == written
+    assert sorted(p.name for p in cache.glob("*.pt")) == complete  # the killed run's partial file is gone too
+    assert_same_weights(tmp_path / "run", unbroken / "run")
+    assert history(tmp_path / "run", "train/loss") == history(unbroken / "run", "train/loss")
+
+
+def test_a_run_from_cached_targets_equals_the_run_that_computed_them_synthesized_prompts_included(toy, tmp_path):
+    """The speculator's initialisation and data order must not depend on what the cache already held."""
+    base = tmp_path / "base"
+    base.mkdir()
+    for path in (toy / "base").iterdir():
+        (base / path.name).write_bytes(path.read_bytes())
+    # An end-of-turn token the toy base writes (it ends every user turn it writes at the next "z").
+    generation = json.loads((base / "generation_config.json").read_text())
+    (base / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [LETTERS[-1]]}))
+    settings = dict(base_model=str(base), targets_cache=str(tmp_path / "cache"), synthesize_prompts=1, epochs=0.3)
+    train(toy_args(toy, tmp_path / "cold", **settings))
+    train(toy_args(toy, tmp_path / "warm", **settings))
+    assert_same_weights(tmp_path / "cold", tmp_path / "warm")
+
+
+# Two processes and gradient accumulation: the same steps as one large batch.
+
+
+class FirstStepGradients:
+    """Stands in for torch.optim.AdamW and keeps the gradients of the first real optimizer step."""
+
+    def __init__(self):
+        recorder = self
+        self.grads = None
+
+        class Recording(torch.optim.AdamW):
+            def step(self, *args, **kwargs):
+                if recorder.grads is None:
+                    recorder.grads = {id(p): p.grad.clone() for g in self.param_groups for p in g["params"]}
+                return super().step(*args, **kwargs)
+
+        self.optimizer_class = Recording
+
+
+RECORDING_SCRIPT = '''
+import os, runpy, sys
+import torch
+
+class Recording(torch.optim.AdamW):
+    recorded = False
+
+    def step(self, *args, **kwargs):
+        if not self.recorded:
+            self.recorded = True
+            grads = [p.grad.clone() for g in self.param_groups for p in g["params"]]
+            torch.save(grads, os.environ["GRADIENTS"] + "." + os.environ["RANK"] + ".pt")
+        return super().step(*args, **kwargs)
+
+torch.optim.AdamW = Recording
+sys.argv[0] = "hf_mlp_speculator.training"
+runpy.run_module("hf_mlp_speculator.training", run_name="__main__")
+'''
+
+
+def test_two_processes_match_one_with_the_same_global_batch(toy, tmp_path, monkeypatch):
+    """torchrun with 2 CPU processes (gloo) and half the batch each: the same first gradient (the token mean over the
+    global batch), loss history and weights as one process. The two compute the targets between them."""
+    settings = dict(epochs=0.15, max_grad_norm=0.0)  # raw gradients (a wrong scale would survive clipping and Adam)
+    recorder = FirstStepGradients()
+    monkeypatch.setattr(torch.optim, "AdamW", recorder.optimizer_class)
+    train(toy_args(toy, tmp_path / "one", batch_size=32, **settings))
+    monkeypatch.undo()
+    one_process = list(recorder.grads.values())
+
+    script = tmp_path / "recording.py"
+    script.write_text(RECORDING_SCRIPT)
+    args = toy_args(toy, tmp_path / "two", batch_size=16, targets_cache=str(tmp_path / "cache"), **settings)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), *as_flags(args)]
+    env = {**CLI_ENV, "ACCELERATE_USE_CPU": "true", "GRADIENTS": str(tmp_path / "grads")}
+    two = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    for rank in (0, 1):
+        grads = torch.load(tmp_path / f"grads.{rank}.pt", weights_only=True)
+        assert len(grads) == len(one_process)
+        for got, expected in zip(grads, one_process):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
     losses_one, losses_two = history(tmp_path / "one", "train/loss"), history(tmp_path / "two", "train/loss")
-    assert len(losses_one) == 6 and losses_two == pytest.approx(losses_one, rel=1e-5)
-    assert losses_one[6] < losses_one[1]
-    weights, expected = (
-        load_file(tmp_path / "two" / "model.safetensors"),
-        load_file(tmp_path / "one" / "model.safetensors"),
+    assert len(losses_one) >= 5 and losses_two == pytest.approx(losses_one, rel=1e-5)
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert all(torch.allclose(two[k], one[k], atol=1e-5) for k in one)
+    # Both processes' share of the targets landed in the one cache the two read.
+    assert sorted(p.name for p in (tmp_path / "cache").glob("*.pt")) == sorted(
+        p.name for p in (toy / "cache").glob("*.pt")
     )
-    assert all(torch.allclose(weights[k], expected[k], atol=1e-5) for k in weights)
 
 
-def test_generating_several_steps_at_once_trains_on_the_same_continuations(toy, toy_prompts, tmp_path):
-    """Stage 2 continues the prompts of several steps in one generate() call; the steps see the same data."""
-    settings = dict(stage2_data=[str(toy_prompts)], stage2_temperature=0.0, stage1_steps=2, stage2_steps=5)
-    train(toy_args(toy, tmp_path / "one", stage2_steps_per_generation=1, **settings))
-    train(toy_args(toy, tmp_path / "many", stage2_steps_per_generation=3, **settings))
-    losses_one, losses_many = history(tmp_path / "one", "train/loss"), history(tmp_path / "many", "train/loss")
-    assert len(losses_one) == 7 and losses_many == pytest.approx(losses_one, rel=1e-5)
+def capture_run(monkeypatch, args):
+    """Trains, keeping what an independent computation of the first step needs: the initial speculator, the targets,
+    and the gradients of the first optimizer step."""
+    captured, recorder = {}, FirstStepGradients()
+    real_make, real_data = loop.make_speculator, loop.build_training_data
+
+    def make(*a, **kw):
+        speculator = real_make(*a, **kw)
+        captured["initial"], captured["model"] = copy.deepcopy(speculator), speculator
+        return speculator
+
+    def data(*a, **kw):
+        captured["data"] = real_data(*a, **kw)
+        return captured["data"]
+
+    monkeypatch.setattr(loop, "make_speculator", make)
+    monkeypatch.setattr(loop, "build_training_data", data)
+    monkeypatch.setattr(torch.optim, "AdamW", recorder.optimizer_class)
+    train(args)
+    monkeypatch.undo()
+    names = {id(p): name for name, p in captured["model"].named_parameters()}
+    captured["grads"] = {names[i]: g for i, g in recorder.grads.items()}
+    return captured
 
 
-def test_gradient_accumulation_matches_the_whole_batch_at_once(toy, toy_prompts, tmp_path):
-    """Two micro-steps of 2 sequences make the same optimizer steps as one of 4, in both stages."""
-    settings = dict(stage2_data=[str(toy_prompts)], stage2_temperature=0.0, stage1_steps=3, stage2_steps=3,
-                    stage2_steps_per_generation=2)  # fmt: skip
-    train(toy_args(toy, tmp_path / "whole", batch_size=4, **settings))
-    train(toy_args(toy, tmp_path / "accumulated", batch_size=2, gradient_accumulation_steps=2, **settings))
-    whole, accumulated = history(tmp_path / "whole", "train/loss"), history(tmp_path / "accumulated", "train/loss")
-    assert len(whole) == 6 and accumulated == pytest.approx(whole, rel=1e-5)
-    weights, expected = (
-        load_file(tmp_path / "accumulated" / "model.safetensors"),
-        load_file(tmp_path / "whole" / "model.safetensors"),
-    )
-    assert all(torch.allclose(weights[k], expected[k], atol=1e-5) for k in weights)
+def test_gradient_accumulation_and_the_loss_are_token_means_over_the_global_batch(toy, tmp_path, monkeypatch):
+    """Short continuations make the heads' positions differ (a sequence's last rows have fewer heads) and the
+    micro-batches' too; the loss is still the mean over the global batch's positions of each head, weighted by
+    head_loss_decay**i, whether it is computed at once or in two micro-steps."""
+    settings = dict(data=None, text_tokens=0, new_tokens=8, eval_new_tokens=8, loss="hard", head_loss_decay=0.5,
+                    max_grad_norm=0.0, epochs=0.4)  # fmt: skip
+    whole = capture_run(monkeypatch, toy_args(toy, tmp_path / "whole", batch_size=32, **settings))
+    accumulated = capture_run(monkeypatch, toy_args(toy, tmp_path / "accumulated", batch_size=16,
+                                                    gradient_accumulation_steps=2, **settings))  # fmt: skip
+
+    # The first global batch, and what one large batch's token-mean loss gives, computed here.
+    targets = whole["data"].train
+    batch = targets.batch(Epochs(targets, 32, seed=0).rows(0), 3)
+    valid = batch.labels != -100
+    counts = valid.sum(1)
+    assert len(set(counts.tolist())) > 1  # the heads have different numbers of positions...
+    assert not torch.equal(valid[:, :16].sum(1), valid[:, 16:].sum(1))  # ...and so do the two micro-batches
+    model = whole["initial"]
+    logits = model(batch.states[:, None], batch.input_ids).logits[:, :, 0]
+    head_losses = torch.stack([F.cross_entropy(logits[i][valid[i]], batch.labels[i][valid[i]]) for i in range(3)])
+    (head_losses * torch.tensor([1.0, 0.5, 0.25])).sum().backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+
+    for run, output_dir in ((whole, "whole"), (accumulated, "accumulated")):
+        assert run["grads"].keys() == expected.keys()
+        for name, grad in run["grads"].items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-7, msg=f"{output_dir}: {name}")
+        first = json.loads((tmp_path / output_dir / "trainer_state.json").read_text())["log_history"][1]
+        assert first["step"] == 1
+        for i in range(3):
+            assert first[f"train/head_{i}_loss"] == pytest.approx(head_losses[i].item(), rel=1e-5)
+        assert first["train/loss"] == pytest.approx(head_losses.sum().item(), rel=1e-5)
+
+    losses_whole, losses_accumulated = history(tmp_path / "whole", "train/loss"), history(tmp_path / "accumulated",
+                                                                                         "train/loss")  # fmt: skip
+    assert len(losses_whole) >= 5 and losses_accumulated == pytest.approx(losses_whole, rel=1e-5)
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "accumulated")
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
-def test_bad_settings_say_what_to_do():
-    with pytest.raises(ValueError, match=r"seq_length=4 is too short for n_predict=3.*at least n_predict \+ 2 = 5"):
-        SpeculatorTrainingArguments(base_model="x", data=["x"], seq_length=4)
-    with pytest.raises(ValueError, match="No training data given"):
-        SpeculatorTrainingArguments(base_model="x", data=[])
-    with pytest.raises(ValueError, match="stage2_prompt_length=64 exceeds seq_length=32"):
-        SpeculatorTrainingArguments(base_model="x", data=["x"], seq_length=32)
-    with pytest.raises(ValueError, match="stage2_steps_per_generation must be >= 1, got 0"):
-        SpeculatorTrainingArguments(base_model="x", data=["x"], stage2_steps_per_generation=0)
+# The output folder belongs to one run.
+
+
+@pytest.fixture(scope="module")
+def finished(toy, tmp_path_factory):
+    args = toy_args(toy, tmp_path_factory.mktemp("finished") / "run", data=None, text_tokens=0, new_tokens=8,
+                    eval_new_tokens=8, epochs=0.4, save_every=2)  # fmt: skip
+    train(args)
+    return args
+
+
+def snapshot(folder) -> dict:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in Path(folder).rglob("*")}
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_run(finished):
+    before = snapshot(finished.output_dir)
+    assert latest_checkpoint(finished.output_dir) is not None
+    with pytest.raises(ValueError, match=r"already holds a training run\. Pass --resume to continue it, or choose "
+                                         r"another --output-dir"):  # fmt: skip
+        train(dataclasses.replace(finished, seed=1))
+    assert snapshot(finished.output_dir) == before  # nothing pruned, nothing overwritten
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"n_predict": 2}, ["n_predict: 3 then, 2 now"]),
+        ({"inner_dim": 16}, ["inner_dim: 32 then, 16 now"]),
+        ({"batch_size": 16}, ["batch_size: 32 then, 16 now"]),
+        ({"n_predict": 2, "inner_dim": 16, "batch_size": 16},
+         ["batch_size: 32 then, 16 now", "inner_dim: 32 then, 16 now", "n_predict: 3 then, 2 now"]),
+    ],
+)  # fmt: skip
+def test_resuming_with_other_settings_names_them(finished, changes, named):
+    before = snapshot(finished.output_dir)
+    with pytest.raises(ValueError) as error:
+        train(dataclasses.replace(finished, resume=True, **changes))
+    message = str(error.value)
+    assert message.startswith(f"--resume would continue the run in {finished.output_dir} with other settings (")
+    assert "; ".join(named) in message and "train into another --output-dir" in message
+    assert snapshot(finished.output_dir) == before
+
+
+def test_resuming_a_finished_run_keeps_its_result(finished, tmp_path):
+    copy_dir = tmp_path / "run"
+    subprocess.run(["cp", "-a", finished.output_dir, str(copy_dir)], check=True)
+    expected_weights, expected_history = weights(copy_dir), history(copy_dir, "train/loss")
+    # Where the output goes and how much is logged may change on resume.
+    train(dataclasses.replace(finished, output_dir=str(copy_dir), resume=True, save_total_limit=3, report_to="none"))
+    assert weights(copy_dir).keys() == expected_weights.keys()
+    assert all(torch.equal(weights(copy_dir)[k], v) for k, v in expected_weights.items())
+    assert history(copy_dir, "train/loss") == expected_history
+
+
+def test_a_folder_with_checkpoints_but_no_run_record_is_refused(toy, tmp_path):
+    (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"holds checkpoint-3 from a run that recorded no run\.json.*Train into an "
+                                         r"empty folder, or remove them"):  # fmt: skip
+        train(toy_args(toy, tmp_path / "run"))

@@ -29,7 +29,10 @@ def initialize_from_base(speculator, base) -> None:
     if heads.draft_vocab is not None:
         lm_head = lm_head[heads.draft_vocab.cpu()]
     if inner_dim < embeddings.shape[1]:
-        projection = torch.linalg.svd(lm_head, full_matrices=False).Vh[:inner_dim].T
+        # A draft vocabulary of fewer rows than inner_dim spans fewer directions than the heads have: the complete
+        # factorisation (cheap here, its U is rows x rows) fills the rest with an orthonormal complement.
+        full = lm_head.shape[0] < inner_dim
+        projection = torch.linalg.svd(lm_head, full_matrices=full).Vh[:inner_dim].T
     elif inner_dim == embeddings.shape[1]:
         projection = torch.eye(inner_dim)
     else:

@@ -73,8 +73,10 @@ def load_base(args: SpeculatorTrainingArguments, device):
 
 def draft_vocabulary(targets: Targets, vocab_size: int, size: int) -> torch.LongTensor:
     """The `size` tokens the base model emitted most often (ties broken by the mass it gave them), ascending ids."""
-    score = targets.token_counts(vocab_size).double()
-    score.index_add_(0, targets.topk_ids.flatten().long(), targets.topk_logprobs.flatten().double().exp() * 1e-3)
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    mass.index_add_(0, targets.topk_ids.flatten().long(), targets.topk_logprobs.flatten().double().exp())
+    # Counts are whole numbers: mass scaled below 1 only breaks their ties.
+    score = targets.token_counts(vocab_size).double() + mass / (mass.sum() + 1)
     return score.topk(size).indices.sort().values
 
 

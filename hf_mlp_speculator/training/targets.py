@@ -209,6 +209,10 @@ class TargetCache:
 
     def __init__(self, folder):
         self.folder = Path(folder)
+        # A run killed while writing leaves its temporary file behind; those of live processes are being written.
+        for tmp in self.folder.glob(".tmp-*"):
+            if not _process_alive(int(tmp.name.split("-")[1])):
+                tmp.unlink(missing_ok=True)
 
     def path(self, key) -> Path:
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
@@ -230,3 +234,13 @@ class TargetCache:
         torch.save({**stored, "seconds": seconds}, tmp)
         os.replace(tmp, path)
         return value, seconds
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True

@@ -26,6 +26,10 @@ from .targets import TargetCache, Targets, continue_prompts, end_of_sequence_ids
 
 logger = logging.get_logger(__name__)
 
+# Synthesis gives up after this many batches in a row without a new prompt: a base that never ends a user turn, or
+# only repeats known ones, would otherwise keep a run without a time budget sampling forever.
+GIVE_UP_AFTER = 8
+
 
 @dataclass
 class TrainingData:
@@ -108,6 +112,12 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
             spent += sum(seconds) / world
             parts += [targets for targets, _ in results]
             progress.update(0, positions=sum(len(p) for p in parts), minutes=f"{spent / 60:.1f}")
+    if not parts and budget_seconds:
+        raise ValueError(
+            f"--max-train-minutes {args.max_train_minutes:g} is spent before any training target: the held-out "
+            f"targets alone took {spent:.1f} s of the {budget_seconds:.1f} s the targets may use. Raise "
+            "--max-train-minutes."
+        )
     if not parts:
         raise ValueError("The training data gave no sequence to learn from. Give more prompts or data.")
     return TrainingData(Targets.concatenate(parts), Targets.concatenate([t for t, _ in evaluation]), spent)
@@ -135,8 +145,15 @@ def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key,
         yield *continuation(chunk, args.new_tokens, args.temperature == 0, args.seed * 7919 + index), 0.0
 
     kept, writing = 0, 0.0  # the seconds the base spent writing prompts count with the batch that continues them
+    fruitless = 0  # batches in a row that wrote no new prompt
     for index in itertools.count():
         if kept >= args.synthesize_prompts:
+            break
+        if fruitless == GIVE_UP_AFTER:
+            logger.warning(
+                f"The base model wrote no new user turn in {GIVE_UP_AFTER} batches in a row; stopping synthesis at "
+                f"{kept} of the {args.synthesize_prompts} prompts asked for (--synthesize-prompts)."
+            )
             break
         key = {**base_key, "kind": "user turns", "seed": args.seed, "batch": index, "size": batch_size}
         turns, seconds = cache.get(
@@ -150,6 +167,7 @@ def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key,
                 seen_ids.add(tuple(ids))
                 rendered.append(ids)
                 kept += 1
+        fruitless = 0 if rendered else fruitless + 1
         if rendered:
             yield *continuation(rendered, args.new_tokens, args.temperature == 0, -(index + 1)), writing
             writing = 0.0
