@@ -8,6 +8,7 @@ from transformers.utils import ModelOutput
 from .drafting import draft_chain
 from .metrics import SpeculationMetrics
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from .prompt_lookup import HybridDrafter
 
 
 class MLPSpeculatorCandidateGenerator(CandidateGenerator):
@@ -46,12 +47,18 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = {} if generation_config.output_hidden_states else {"output_hidden_states": -1}
         self.metrics = SpeculationMetrics()
         self.num_drafted = 0  # drafts of the round now being verified; 0 during prefill
+        self.from_lookup = False  # whether they came from prompt lookup (hybrid drafting)
         self.in_prefill = True
+        self.hybrid = None
+        if generation_config.prompt_lookup_num_tokens:
+            self.hybrid = HybridDrafter(1, generation_config.prompt_lookup_num_tokens,
+                                        generation_config.max_matching_ngram_size, speculator.config.vocab_size,
+                                        self.do_sample)  # fmt: skip
 
     @property
     def num_drafting_tokens(self) -> int:
         """The most drafts a round holds; transformers 5.25's assisted decoding sizes its cache rollback by it."""
-        return self.num_heads
+        return max(self.num_heads, self.hybrid.num_tokens if self.hybrid else 0)
 
     def get_candidates(
         self,
@@ -71,7 +78,8 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         hidden = last_hidden[:, last_hidden.shape[1] - 1 - rejected]
 
         # Never draft a token the verifier could not emit: its forward also adds one token of its own.
-        self.num_drafted = max(0, min(self.num_heads, self.max_length - input_ids.shape[1] - 1))
+        room = max(0, self.max_length - input_ids.shape[1] - 1)
+        self.num_drafted, self.from_lookup = min(self.num_heads, room), False
         if self.num_drafted == 0:
             return input_ids, None
 
@@ -86,6 +94,10 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             self.speculator.speculator, hidden, input_ids[:, -1], num_drafts, process, self.select,
             self.confidence_threshold,
         )  # fmt: skip
+        if self.hybrid is not None:
+            length, rows = torch.tensor([input_ids.shape[1]]), torch.tensor([0])
+            chain, from_lookup = self.hybrid(chain, input_ids, length, rows, torch.tensor([room]))
+            self.from_lookup = bool(from_lookup[0])
         self.num_drafted = chain.num_nodes - 1  # fewer than asked if the chain stopped at an unsure draft
         return torch.cat([input_ids, chain.tokens[:, 1:]], dim=-1), chain.draft_logits if self.do_sample else None
 
@@ -99,4 +111,4 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         if self.in_prefill:
             self.in_prefill = False
         else:
-            self.metrics.record_step(self.num_drafted, int(num_matches))
+            self.metrics.record_step(self.num_drafted, int(num_matches), from_lookup=self.from_lookup)

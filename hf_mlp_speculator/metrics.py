@@ -22,14 +22,24 @@ class SpeculationMetrics:
     # Per head i: how many steps drafted with head i, and in how many of those drafts 0..i were all accepted.
     head_draft_tokens: list[int] = field(default_factory=list)
     head_accepted_tokens: list[int] = field(default_factory=list)
+    # Of the drafts above, those that prompt lookup proposed (hybrid drafting); the rest are the speculator's.
+    num_lookup_draft_tokens: int = 0
+    num_lookup_accepted_tokens: int = 0
 
-    def record_step(self, num_drafted: int, num_accepted: int) -> None:
-        """Counts one verifier step that checked `num_drafted` drafts and accepted the first `num_accepted`."""
+    def record_step(self, num_drafted: int, num_accepted: int, from_lookup: bool = False) -> None:
+        """
+        Counts one verifier step that checked `num_drafted` drafts and accepted the first `num_accepted`; the drafts
+        came from prompt lookup when `from_lookup`. Per-head counts are the speculator's heads only.
+        """
         self.num_steps += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_accepted + 1
         self.max_emitted_tokens += num_drafted + 1
+        if from_lookup:
+            self.num_lookup_draft_tokens += num_drafted
+            self.num_lookup_accepted_tokens += num_accepted
+            return
         missing = num_drafted - len(self.head_draft_tokens)
         if missing > 0:
             self.head_draft_tokens += [0] * missing
@@ -55,6 +65,8 @@ class SpeculationMetrics:
             head_accepted_tokens=[
                 a + b for a, b in zip(padded(self.head_accepted_tokens), padded(other.head_accepted_tokens))
             ],
+            num_lookup_draft_tokens=self.num_lookup_draft_tokens + other.num_lookup_draft_tokens,
+            num_lookup_accepted_tokens=self.num_lookup_accepted_tokens + other.num_lookup_accepted_tokens,
         )
 
     @property
@@ -77,8 +89,24 @@ class SpeculationMetrics:
         """For head i: the share of its drafts accepted, i.e. how often drafts 0..i were all right."""
         return [a / d if d else 0.0 for a, d in zip(self.head_accepted_tokens, self.head_draft_tokens)]
 
+    @property
+    def lookup_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens of the drafts prompt lookup proposed."""
+        return self.num_lookup_accepted_tokens / self.num_lookup_draft_tokens if self.num_lookup_draft_tokens else 0.0
+
+    @property
+    def speculator_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens of the drafts the speculator proposed."""
+        drafted = self.num_draft_tokens - self.num_lookup_draft_tokens
+        return (self.num_accepted_tokens - self.num_lookup_accepted_tokens) / drafted if drafted else 0.0
+
     def __str__(self) -> str:
         heads = ", ".join(f"{rate:.3f}" for rate in self.head_acceptance_rates)
+        lookup = (
+            f" Prompt lookup: {self.num_lookup_accepted_tokens} of {self.num_lookup_draft_tokens} drafts accepted; "
+            f"speculator: {self.num_accepted_tokens - self.num_lookup_accepted_tokens} of "
+            f"{self.num_draft_tokens - self.num_lookup_draft_tokens}."
+        ) * bool(self.num_lookup_draft_tokens)
         return (
             f"Speculative metrics: Draft acceptance rate: {self.draft_acceptance_rate:.3f}, "
             f"System efficiency: {self.system_efficiency:.3f}, "
@@ -88,4 +116,5 @@ class SpeculationMetrics:
             f"Number of emitted tokens: {self.num_emitted_tokens}, "
             f"Mean tokens per step: {self.mean_tokens_per_step:.3f}, "
             f"Per-head acceptance rate: [{heads}]."
+            f"{lookup}"
         )

@@ -42,6 +42,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting import DraftTree, draft_chain, draft_tree
 from .metrics import SpeculationMetrics
+from .prompt_lookup import HybridDrafter
 
 # Processors that read nothing but the scores run once on all rows; any other runs once per distinct row length.
 _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
@@ -79,8 +80,18 @@ def generate_speculatively(
         top_k = list(top_k_tokens_per_head or config.top_k_tokens_per_head)
         n_candidates = n_candidates or config.n_candidates
         _check_tree(top_k, n_candidates, num_heads, generation_config)
+    hybrid = None
+    if generation_config.prompt_lookup_num_tokens:
+        if tree:
+            raise ValueError(
+                "prompt_lookup_num_tokens drafts chains next to the speculator's; it cannot join tree candidates "
+                "(n_candidates / top_k_tokens_per_head). Drop one of the two."
+            )
+        hybrid = HybridDrafter(input_ids.shape[0], generation_config.prompt_lookup_num_tokens,
+                               generation_config.max_matching_ngram_size, config.vocab_size,
+                               generation_config.do_sample)  # fmt: skip
     attention_mask = model_kwargs.get("attention_mask")
-    cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes=num_heads * (n_candidates or 1))
+    cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes=max(num_heads * (n_candidates or 1), generation_config.prompt_lookup_num_tokens or 0))
     requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name)]
     if requested:
         raise ValueError(
@@ -173,13 +184,17 @@ def generate_speculatively(
             break
 
         # A row's verifier forward adds one token of its own: never draft past max_length.
-        num_drafts = (generation_config.max_length - lengths[rows] - 1).clamp(min=0, max=num_heads)
+        room = (generation_config.max_length - lengths[rows] - 1).clamp(min=0)
+        num_drafts = room.clamp(max=num_heads)
         spec_hidden = hidden.to(speculator.device, speculator.dtype)
         if tree:
             drafts = draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates)
         else:
             drafts = draft_chain(heads, spec_hidden, last_tokens, num_drafts, process, select, confidence_threshold)
         drafts = _to_device(drafts, input_ids.device)
+        from_lookup = torch.zeros_like(rows, dtype=torch.bool)
+        if hybrid is not None:
+            drafts, from_lookup = hybrid(drafts, sequences, lengths, rows, room)
         num_drafts = drafts.depths.amax(dim=1)  # fewer than asked where a chain stopped at an unsure draft
 
         # Verify every row's drafts in one forward.
@@ -207,8 +222,9 @@ def generate_speculatively(
         new_tokens = torch.cat([paths[batch_rows, best], next_tokens[:, None]], dim=1)
         new_tokens[batch_rows, accepted] = next_tokens
         kept, finished = emit(new_tokens, accepted + 1)
-        for row, drafted, emitted in zip(rows.tolist(), num_drafts.tolist(), kept.tolist()):
-            metrics[row].record_step(drafted, emitted - 1)
+        for row, drafted, emitted, lookup in zip(rows.tolist(), num_drafts.tolist(), kept.tolist(),
+                                                 from_lookup.tolist()):  # fmt: skip
+            metrics[row].record_step(drafted, emitted - 1, from_lookup=lookup)
 
         # Keep the slots of the root and the accepted path; crop the slots that no row kept.
         kept_slots = ancestors[batch_rows, best]

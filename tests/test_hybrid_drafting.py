@@ -1,0 +1,156 @@
+"""Hybrid drafting: prompt lookup next to the speculator, lossless at batch 1 and batched, exact under sampling."""
+
+import pytest
+import torch
+
+import hf_mlp_speculator.prompt_lookup as prompt_lookup
+from conftest import make_speculator, make_verifier
+from hf_mlp_speculator.drafting import tree_from_candidates
+from hf_mlp_speculator.prompt_lookup import HybridDrafter, lookup_continuations
+from test_sampling import TEMPERATURE, TOP_K, chi_square_p_value, exact_distribution, sharp_pair
+
+NEW_TOKENS = 4
+
+
+def test_lookup_takes_the_longest_ngram_at_its_latest_occurrence():
+    sequences = torch.tensor([
+        [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7],  # "6 7" occurs twice before the end: the latest one is followed by 9 2
+        [5, 6, 7, 8, 1, 2, 7, 9, 3, 6, 7],  # "6 7" once (then 8 1 2 ...); "7" alone occurs later, but is shorter
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 0],  # no earlier "9 0", and no earlier "0"
+        [4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0],  # the suffix within its own length: "4 4" right before it, then its last 4
+    ])  # fmt: skip
+    lengths = torch.tensor([11, 11, 11, 4])
+    assert lookup_continuations(sequences, lengths, max_ngram_size=2, num_tokens=3) == [
+        [9, 2, 6], [8, 1, 2], [], [4]
+    ]  # fmt: skip
+    # A one-token match where two tokens find none ("2 7" is new, "7" is not); the cut to num_tokens.
+    assert lookup_continuations(sequences[1:2], torch.tensor([7]), 2, 10) == [[8, 1, 2, 7]]
+    assert lookup_continuations(sequences[:1], lengths[:1], max_ngram_size=2, num_tokens=1) == [[9]]
+
+
+def chain(tokens_per_row, last_tokens):
+    """A speculator chain of the given drafts (same length for every row)."""
+    candidates = torch.tensor(tokens_per_row)[:, None]
+    return tree_from_candidates(candidates, torch.tensor(last_tokens), torch.tensor([len(t) for t in tokens_per_row]))
+
+
+def test_each_row_drafts_from_the_source_that_lately_matched_longer():
+    """Row 0 copies its prompt: after one step the lookup, which matched what was emitted, drafts it. Row 1's lookup
+    matched nothing the verifier then wrote, and the speculator keeps drafting."""
+    hybrid = HybridDrafter(2, num_tokens=4, max_ngram_size=2, vocab_size=20, sampled=False)
+    sequences = torch.zeros(2, 30, dtype=torch.long)
+    sequences[0, :8] = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2])
+    sequences[1, :8] = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2])
+    lengths, rows, room = torch.tensor([8, 8]), torch.tensor([0, 1]), torch.tensor([20, 20])
+    drafts, from_lookup = hybrid(chain([[9, 9], [9, 9]], [2, 2]), sequences, lengths, rows, room)
+    assert from_lookup.tolist() == [False, False]  # nothing observed yet: the speculator's chain
+    assert drafts.tokens.tolist() == [[2, 9, 9], [2, 9, 9]]
+
+    # The verifier wrote "3 4" in row 0 (the lookup's continuation) and "7 8" in row 1.
+    sequences[0, 8:10], sequences[1, 8:10] = torch.tensor([3, 4]), torch.tensor([7, 8])
+    lengths = torch.tensor([10, 10])
+    drafts, from_lookup = hybrid(chain([[9, 9], [9, 9]], [4, 8]), sequences, lengths, rows, room)
+    assert from_lookup.tolist() == [True, False]
+    assert drafts.tokens[0].tolist() == [4, 5, 6, 1, 2] and drafts.valid[0].all()
+    assert drafts.tokens[1, :3].tolist() == [8, 9, 9] and drafts.valid[1].tolist() == [True] * 3 + [False] * 2
+
+    # A row that left the batch keeps its scores under its original index; room caps the lookup draft.
+    sequences[0, 10:14] = torch.tensor([5, 6, 1, 2])
+    drafts, from_lookup = hybrid(chain([[9, 9]], [2]), sequences, torch.tensor([14, 10]), rows[:1], torch.tensor([1]))
+    assert from_lookup.tolist() == [True] and drafts.tokens.tolist() == [[2, 3]]
+
+
+def repeating_prompts(verifier, rows=3, length=10, seed=0):
+    """Prompts that repeat their own text, and what the verifier writes after them, so lookup has spans to copy."""
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, verifier.config.vocab_size, (rows, length), generator=generator)
+    return torch.cat([text, text, text[:, :3]], dim=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hybrid_greedy_is_identical_to_plain_at_batch_1_and_batched(arch):
+    verifier, speculator = make_verifier(arch), make_speculator()
+    prompts = repeating_prompts(verifier)
+    attention_mask = torch.ones_like(prompts)
+    attention_mask[1, :4] = 0  # a left-padded row
+    settings = dict(max_new_tokens=24, do_sample=False)
+    plain = verifier.generate(prompts, attention_mask=attention_mask, **settings)
+    hybrid = verifier.generate(prompts, attention_mask=attention_mask, assistant_model=speculator,
+                               prompt_lookup_num_tokens=6, **settings)  # fmt: skip
+    assert torch.equal(plain, hybrid)
+    metrics = speculator.speculation_metrics
+    assert metrics.num_lookup_accepted_tokens > 0 and metrics.num_draft_tokens > metrics.num_lookup_draft_tokens
+    for row in range(len(prompts)):
+        alone = prompts[row : row + 1, attention_mask[row].bool()]
+        plain = verifier.generate(alone, **settings)
+        assert torch.equal(plain, verifier.generate(alone, assistant_model=speculator, prompt_lookup_num_tokens=6,
+                                                    **settings))  # fmt: skip
+        metrics = speculator.speculation_metrics
+        assert metrics.num_lookup_draft_tokens > 0
+        assert metrics.num_accepted_tokens == metrics.num_emitted_tokens - metrics.num_steps
+        assert "Prompt lookup:" in str(metrics)
+
+
+def test_lookup_with_trees_is_refused():
+    verifier, speculator = make_verifier(), make_speculator()
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens drafts chains .* cannot join tree candidates"):
+        verifier.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, assistant_model=speculator, n_candidates=2,
+                          prompt_lookup_num_tokens=3)  # fmt: skip
+
+
+# Sampling: a lookup draft is a deterministic proposal, its q one-hot.
+
+COPYING_PROMPT = torch.tensor([[1, 2, 3, 0, 1, 1, 1, 1]])  # the start of what the verifier writes itself
+SAMPLES = 1200
+
+
+def hybrid_sample_counts(verifier, speculator, prompt, rows):
+    """Continuation counts over SAMPLES sampled rows of `prompt`, `rows` rows per call (1: transformers' loop)."""
+    torch.manual_seed(0)
+    counts, lookup_drafted, lookup_accepted = {}, 0, 0
+    for _ in range(SAMPLES // rows):
+        out = verifier.generate(prompt.repeat(rows, 1), attention_mask=torch.ones(rows, prompt.shape[1]).long(),
+                                max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                                top_p=1.0, assistant_model=speculator, prompt_lookup_num_tokens=3,
+                                max_matching_ngram_size=2)  # fmt: skip
+        for tokens in out[:, prompt.shape[1] :].tolist():
+            counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+        lookup_drafted += speculator.speculation_metrics.num_lookup_draft_tokens
+        lookup_accepted += speculator.speculation_metrics.num_lookup_accepted_tokens
+    return counts, lookup_drafted, lookup_accepted
+
+
+@pytest.fixture(scope="module")
+def copying_truth():
+    verifier, speculator = sharp_pair()
+    return verifier, speculator, exact_distribution(verifier, COPYING_PROMPT)
+
+
+@pytest.mark.parametrize("rows", [1, 400], ids=["batch-1", "batched"])
+def test_hybrid_sampling_matches_the_verifier_distribution(copying_truth, rows, monkeypatch):
+    """Four tokens are too few for the running scores to pick lookup often: here a coin picks each row's source
+    each step instead, which, like the scores, knows nothing of the verifier's view of the step."""
+    verifier, speculator, probs = copying_truth
+    monkeypatch.setattr(HybridDrafter, "prefers_lookup", lambda self, rows: torch.rand(len(rows)) < 0.7)
+    counts, drafted, accepted = hybrid_sample_counts(verifier, speculator, COPYING_PROMPT, rows)
+    assert 0.1 * drafted < accepted < 0.9 * drafted  # lookup drafts were both accepted and rejected, often
+    assert chi_square_p_value(counts, probs, SAMPLES) > 1e-3
+
+
+def test_the_check_catches_lookup_drafts_judged_by_the_speculators_distribution(copying_truth, monkeypatch):
+    """Handing the rejection step the speculator's q for a lookup draft, instead of its one-hot q, biases the output;
+    the same check sees it."""
+    verifier, speculator, probs = copying_truth
+    real = prompt_lookup.hybrid_chain
+
+    def wrong_q(speculator_chain, lookup, use_lookup, vocab_size, sampled):
+        result = real(speculator_chain, lookup, use_lookup, vocab_size, sampled)
+        if sampled and speculator_chain.draft_logits is not None:
+            depth = speculator_chain.draft_logits.shape[1]
+            result.draft_logits[:, :depth] = speculator_chain.draft_logits
+        return result
+
+    monkeypatch.setattr(prompt_lookup, "hybrid_chain", wrong_q)
+    monkeypatch.setattr(HybridDrafter, "prefers_lookup", lambda self, rows: torch.rand(len(rows)) < 0.7)
+    counts, _, _ = hybrid_sample_counts(verifier, speculator, COPYING_PROMPT, 400)
+    assert chi_square_p_value(counts, probs, SAMPLES) < 1e-3
