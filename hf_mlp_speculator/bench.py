@@ -25,7 +25,7 @@ import transformers
 from transformers.utils import logging
 
 from .training.documents import left_padded
-from .default_models import evaluation_prompts
+from .default_models import evaluation_prompts, grounded_prompts
 from .timing import WARMUP_TOKENS, GenerationRun, add_model_arguments, encode_prompts, load_pair
 
 logger = logging.get_logger(__name__)
@@ -38,6 +38,13 @@ def add_arguments(parser) -> None:
         type=int,
         default=10,
         help="Draft length of prompt lookup (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--prompt-set",
+        choices=["chat", "grounded"],
+        default="chat",
+        help="The held-out chat prompts, or requests that edit, convert or answer from a text they give (default: "
+        "%(default)s).",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="Seed of the sampling modes (one per prompt) (default: %(default)s)."
@@ -90,6 +97,11 @@ def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
             )
             for k in range(1, n_predict + 1)
         ],
+        Mode(
+            "hybrid (speculator + prompt lookup)",
+            {**greedy, "assistant_model": speculator, "prompt_lookup_num_tokens": prompt_lookup_num_tokens},
+            "plain greedy",
+        ),
         Mode(
             f"speculator tree {speculator.config.top_k_tokens_per_head} n={speculator.config.n_candidates}",
             {**greedy, "assistant_model": speculator, "n_candidates": speculator.config.n_candidates},
@@ -344,6 +356,7 @@ def environment(args, model, speculator) -> dict:
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "num_prompts": args.num_prompts,
+        "prompt_set": getattr(args, "prompt_set", "chat"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
@@ -382,7 +395,8 @@ def run(args) -> int:
         print(f"Wrote {', '.join(written)} to {output_dir}")
         return 0
 
-    prompts = encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])
+    texts = grounded_prompts() if args.prompt_set == "grounded" else evaluation_prompts()
+    prompts = encode_prompts(tokenizer, texts[: args.num_prompts])
     modes = benchmark_modes(speculator, args.prompt_lookup_num_tokens)
     rows = summarize(modes, run_modes(model, modes, prompts, args.max_new_tokens, args.seed))
     written = write_results(output_dir, "bench", environment(args, model, speculator), rows, markdown_table(rows))

@@ -41,6 +41,7 @@ TRAIN_PROMPTS, EVAL_PROMPTS = PROMPTS_DIR / "train_prompts.txt", PROMPTS_DIR / "
 # Held out from training, and unlike the training prompts written in varied styles: what the trainer's acceptance and
 # the tuning of the default recipe were measured on. The evaluation prompts (the demo's and the benchmark's) were not.
 VALIDATION_PROMPTS = PROMPTS_DIR / "validation_prompts.txt"
+GROUNDED_PROMPTS = PROMPTS_DIR / "grounded_prompts.jsonl"
 
 # The default speculator's shape and training settings: the best speculator that TRAINING_MINUTES of 2 CPU cores buy
 # (see the README's ablation). tie_weights and scale_input (fms-fsdp's defaults) keep the parameters few for little
@@ -185,6 +186,13 @@ def read_prompts(path: Path) -> list[str]:
 def evaluation_prompts() -> list[str]:
     """The demo's and the benchmark's prompts; the default speculator never sees them in training."""
     return read_prompts(EVAL_PROMPTS)
+
+
+def grounded_prompts() -> list[str]:
+    """Requests to edit, convert, summarise, refactor or answer from a text they give: work that repeats its input,
+    for prompt lookup and hybrid drafting. Like the evaluation prompts, never trained on."""
+    lines = GROUNDED_PROMPTS.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["text"] for line in lines if line.strip()]
 
 
 def write_chat_prompts(tokenizer, source: Path, path: Path) -> Path:

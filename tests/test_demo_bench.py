@@ -146,12 +146,15 @@ def run_bench(tiny_pair, output_dir, *flags, results="bench.json") -> list[dict]
     return json.loads((output_dir / results).read_text())["results"]
 
 
-def test_bench_end_to_end(tiny_pair, tmp_path, clock):
-    results = run_bench(tiny_pair, tmp_path, "--num-prompts", "2")
+@pytest.mark.parametrize("prompt_set", ["chat", "grounded"])
+def test_bench_end_to_end(tiny_pair, tmp_path, clock, prompt_set):
+    results = run_bench(tiny_pair, tmp_path, "--num-prompts", "2", "--prompt-set", prompt_set)
     rows = {row["mode"]: row for row in results}
     assert list(rows) == ["plain greedy", "prompt lookup", "speculator k=1", "speculator k=2", "speculator k=3",
-                          "speculator tree [2, 2, 2] n=5", "plain sampling", "speculative sampling k=3"]  # fmt: skip
+                          "hybrid (speculator + prompt lookup)", "speculator tree [2, 2, 2] n=5", "plain sampling",
+                          "speculative sampling k=3"]  # fmt: skip
     assert rows["speculator tree [2, 2, 2] n=5"]["identical_to_baseline"] is True
+    assert rows["hybrid (speculator + prompt lookup)"]["identical_to_baseline"] is True
     assert rows["plain greedy"]["speedup"] == 1.0 and rows["plain greedy"]["tokens_per_step"] == 1.0
     for k in (1, 2, 3):
         row = rows[f"speculator k={k}"]
