@@ -89,14 +89,19 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             return self.logits_processor(input_ids if drafts is None else torch.cat([input_ids, drafts], 1), scores)
 
         hidden = hidden.to(self.speculator.device, self.speculator.dtype)
-        num_drafts = torch.tensor([self.num_drafted], device=input_ids.device)
-        chain = draft_chain(
-            self.speculator.speculator, hidden, input_ids[:, -1], num_drafts, process, self.select,
-            self.confidence_threshold,
-        )  # fmt: skip
-        if self.hybrid is not None:
+
+        def speculator_chain(skip=None):
+            limit = 0 if skip is not None and bool(skip[0]) else self.num_drafted
+            return draft_chain(
+                self.speculator.speculator, hidden, input_ids[:, -1], torch.tensor([limit], device=input_ids.device),
+                process, self.select, self.confidence_threshold,
+            )  # fmt: skip
+
+        if self.hybrid is None:
+            chain = speculator_chain()
+        else:
             length, rows = torch.tensor([input_ids.shape[1]]), torch.tensor([0])
-            chain, from_lookup = self.hybrid(chain, input_ids, length, rows, torch.tensor([room]))
+            chain, from_lookup = self.hybrid(speculator_chain, input_ids, length, rows, torch.tensor([room]))
             self.from_lookup = bool(from_lookup[0])
         self.num_drafted = chain.num_nodes - 1  # fewer than asked if the chain stopped at an unsure draft
         return torch.cat([input_ids, chain.tokens[:, 1:]], dim=-1), chain.draft_logits if self.do_sample else None

@@ -57,18 +57,22 @@ class HybridDrafter:
         self.speculator_score = torch.zeros(rows)
         self.pending = None  # the last step's (rows, lookup drafts, speculator drafts, lengths before it)
 
-    def __call__(self, chain: DraftTree, sequences, lengths, rows, room) -> tuple[DraftTree, torch.BoolTensor]:
+    def __call__(self, draft_speculator, sequences, lengths, rows, room) -> tuple[DraftTree, torch.BoolTensor]:
         """
         The step's chains for `rows` (original indices) of `sequences[:, :lengths]`, each at most `room[b]` drafts
-        long, and which rows draft from lookup.
+        long, and which rows draft from lookup. `draft_speculator(skip)` returns the speculator's chains, with no
+        drafts for the rows in `skip`: heads that only lookup rows would use are never run.
         """
         self._score(sequences, lengths)
         lookup = lookup_continuations(sequences[rows], lengths[rows], self.max_ngram_size, self.num_tokens)
         lookup = [continuation[:limit] for continuation, limit in zip(lookup, room.tolist())]
         found = torch.tensor([len(c) > 0 for c in lookup])
         use_lookup = found & self.prefers_lookup(rows.cpu())
+        chain = draft_speculator(use_lookup)
         depths = chain.depths.amax(dim=1).tolist()
-        speculator = [tokens[1 : depth + 1] for tokens, depth in zip(chain.tokens.tolist(), depths)]
+        # A row that drafts from lookup ran no head this step: its speculator score waits for the next one that does.
+        speculator = [None if use else tokens[1 : depth + 1]
+                      for tokens, depth, use in zip(chain.tokens.tolist(), depths, use_lookup.tolist())]  # fmt: skip
         self.pending = (rows.tolist(), lookup, speculator, lengths[rows].tolist())
         return hybrid_chain(chain, lookup, use_lookup, self.vocab_size, self.sampled), use_lookup
 
@@ -82,7 +86,8 @@ class HybridDrafter:
             emitted = sequences[row, before : int(lengths[row])].tolist()
             if lookup:
                 self.lookup_score[row] = _blend(self.lookup_score[row], _matched(lookup, emitted))
-            self.speculator_score[row] = _blend(self.speculator_score[row], _matched(speculator, emitted))
+            if speculator is not None:
+                self.speculator_score[row] = _blend(self.speculator_score[row], _matched(speculator, emitted))
         self.pending = None
 
 

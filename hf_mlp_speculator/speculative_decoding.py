@@ -190,11 +190,18 @@ def generate_speculatively(
         if tree:
             drafts = draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates)
         else:
-            drafts = draft_chain(heads, spec_hidden, last_tokens, num_drafts, process, select, confidence_threshold)
-        drafts = _to_device(drafts, input_ids.device)
+
+            def speculator_chain(skip=None):
+                limits = num_drafts if skip is None else torch.where(skip.to(num_drafts.device), 0, num_drafts)
+                chain = draft_chain(heads, spec_hidden, last_tokens, limits, process, select, confidence_threshold)
+                return _to_device(chain, input_ids.device)
+
         from_lookup = torch.zeros_like(rows, dtype=torch.bool)
         if hybrid is not None:
-            drafts, from_lookup = hybrid(drafts, sequences, lengths, rows, room)
+            drafts, from_lookup = hybrid(speculator_chain, sequences, lengths, rows, room)
+        elif not tree:
+            drafts = speculator_chain()
+        drafts = _to_device(drafts, input_ids.device)
         num_drafts = drafts.depths.amax(dim=1)  # fewer than asked where a chain stopped at an unsure draft
 
         # Verify every row's drafts in one forward.

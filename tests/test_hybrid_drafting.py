@@ -28,10 +28,18 @@ def test_lookup_takes_the_longest_ngram_at_its_latest_occurrence():
     assert lookup_continuations(sequences[:1], lengths[:1], max_ngram_size=2, num_tokens=1) == [[9]]
 
 
-def chain(tokens_per_row, last_tokens):
-    """A speculator chain of the given drafts (same length for every row)."""
-    candidates = torch.tensor(tokens_per_row)[:, None]
-    return tree_from_candidates(candidates, torch.tensor(last_tokens), torch.tensor([len(t) for t in tokens_per_row]))
+def chain(tokens_per_row, last_tokens, asked=None):
+    """What the speculator drafts (the same drafts for every row): `draft_speculator(skip)` for HybridDrafter, which
+    records in `asked` the rows it was told to skip."""
+
+    def draft_speculator(skip):
+        if asked is not None:
+            asked.append(skip.tolist())
+        candidates = torch.tensor(tokens_per_row)[:, None]
+        counts = torch.tensor([0 if s else len(t) for t, s in zip(tokens_per_row, skip.tolist())])
+        return tree_from_candidates(candidates, torch.tensor(last_tokens), counts)
+
+    return draft_speculator
 
 
 def test_each_row_drafts_from_the_source_that_lately_matched_longer():
@@ -49,15 +57,19 @@ def test_each_row_drafts_from_the_source_that_lately_matched_longer():
     # The verifier wrote "3 4" in row 0 (the lookup's continuation) and "7 8" in row 1.
     sequences[0, 8:10], sequences[1, 8:10] = torch.tensor([3, 4]), torch.tensor([7, 8])
     lengths = torch.tensor([10, 10])
-    drafts, from_lookup = hybrid(chain([[9, 9], [9, 9]], [4, 8]), sequences, lengths, rows, room)
-    assert from_lookup.tolist() == [True, False]
+    asked = []
+    drafts, from_lookup = hybrid(chain([[9, 9], [9, 9]], [4, 8], asked), sequences, lengths, rows, room)
+    assert from_lookup.tolist() == [True, False] and asked == [[True, False]]  # no heads for row 0
     assert drafts.tokens[0].tolist() == [4, 5, 6, 1, 2] and drafts.valid[0].all()
     assert drafts.tokens[1, :3].tolist() == [8, 9, 9] and drafts.valid[1].tolist() == [True] * 3 + [False] * 2
 
-    # A row that left the batch keeps its scores under its original index; room caps the lookup draft.
+    # A row that left the batch keeps its scores under its original index; room caps the lookup draft. Row 0's
+    # speculator score did not move while it drafted from lookup.
     sequences[0, 10:14] = torch.tensor([5, 6, 1, 2])
+    speculator_score = hybrid.speculator_score.clone()
     drafts, from_lookup = hybrid(chain([[9, 9]], [2]), sequences, torch.tensor([14, 10]), rows[:1], torch.tensor([1]))
     assert from_lookup.tolist() == [True] and drafts.tokens.tolist() == [[2, 3]]
+    assert hybrid.speculator_score[0] == speculator_score[0] and hybrid.lookup_score[0] > speculator_score[0]
 
 
 def repeating_prompts(verifier, rows=3, length=10, seed=0):
