@@ -360,7 +360,7 @@ def write_results(output_dir: Path, name: str, environment: dict, rows: list[dic
 
 
 def run(args) -> int:
-    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype, args.pack_weights)
+    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if args.verify_cost:

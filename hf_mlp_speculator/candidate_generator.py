@@ -1,10 +1,14 @@
 """Drafts for transformers' assisted decoding loop, from an MLPSpeculator and the verifier's own hidden states."""
 
+import time
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import ModelOutput
 
+from .controller import SpeculationController, acceptance_for
+from .cost_model import cost_model_for, synchronize
 from .drafting import draft_chain
 from .metrics import SpeculationMetrics
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
@@ -13,8 +17,10 @@ from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     """
     Runs inside `_assisted_decoding` through the `requires_model_outputs` protocol: each round it reads the verifier's
-    last hidden states from the previous forward and drafts up to `min(n_predict, num_assistant_tokens)` tokens, fewer
-    when a draft falls below `assistant_confidence_threshold`.
+    last hidden states from the previous forward and drafts up to `min(n_predict, num_assistant_tokens)` tokens: as
+    many as the cost-aware controller expects to pay (none: the round is a plain decoding step), fewer when a draft
+    falls below `assistant_confidence_threshold`. The verifier's forward is timed from the end of `get_candidates` to
+    `update_candidate_strategy`, which transformers calls right after it.
 
     The draft starts from the hidden state at the position that emitted the last token. After prefill that is the last
     prompt position; after a round that checked `k` drafts and accepted `m` of them it is row `m` of the `k + 1`
@@ -32,6 +38,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         speculator: MLPSpeculatorPreTrainedModel,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
+        verifier=None,
     ):
         self.speculator = speculator
         self.do_sample = generation_config.do_sample
@@ -44,9 +51,16 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         # Ask the verifier for its last layer only, unless the user asked for all layers: replacing their request
         # would break the per-token split of `hidden_states` in the output.
         self.model_kwargs_overrides = {} if generation_config.output_hidden_states else {"output_hidden_states": -1}
-        self.metrics = SpeculationMetrics()
+        self.metrics = SpeculationMetrics(num_speculative_tokens=self.num_heads)
         self.num_drafted = 0  # drafts of the round now being verified; 0 during prefill
         self.in_prefill = True
+        self.confidences = None  # of the drafts now being verified
+        self.verify_start = 0.0
+        kind = "chain, sampled" if self.do_sample else "chain, greedy"
+        self.controller = SpeculationController(
+            lambda rows: cost_model_for(verifier if verifier is not None else speculator, rows),
+            acceptance_for(speculator, kind), self.num_heads,
+        )  # fmt: skip
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -72,8 +86,11 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
 
         # Never draft a token the verifier could not emit: its forward also adds one token of its own.
         self.num_drafted = max(0, min(self.num_heads, self.max_length - input_ids.shape[1] - 1))
+        if self.controller.start_step(input_ids.shape[1] - 1, rows=1) == 0:
+            self.num_drafted = 0
         if self.num_drafted == 0:
-            return input_ids, None
+            self.confidences = None
+            return self._verify_from_now(input_ids, None)
 
         def process(scores, drafts):
             if not self.logits_processor:
@@ -84,10 +101,17 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         num_drafts = torch.tensor([self.num_drafted], device=input_ids.device)
         chain = draft_chain(
             self.speculator.speculator, hidden, input_ids[:, -1], num_drafts, process, self.select,
-            self.confidence_threshold,
+            self.confidence_threshold, self.controller.keep_drafting,
         )  # fmt: skip
         self.num_drafted = chain.num_nodes - 1  # fewer than asked if the chain stopped at an unsure draft
-        return torch.cat([input_ids, chain.tokens[:, 1:]], dim=-1), chain.draft_logits if self.do_sample else None
+        self.confidences = chain.confidences
+        candidates = torch.cat([input_ids, chain.tokens[:, 1:]], dim=-1)
+        return self._verify_from_now(candidates, chain.draft_logits[:, : self.num_drafted] if self.do_sample else None)
+
+    def _verify_from_now(self, candidates, logits):
+        synchronize(candidates.device)
+        self.verify_start = time.perf_counter()
+        return candidates, logits
 
     def select(self, logits: torch.FloatTensor) -> torch.LongTensor:
         """Picks a draft from processed logits the way the verifier picks its tokens: argmax, or a sample."""
@@ -98,5 +122,10 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         if self.in_prefill:
             self.in_prefill = False
-        else:
-            self.metrics.record_step(self.num_drafted, int(num_matches))
+            return
+        synchronize(input_ids.device)
+        self.controller.end_step(self.num_drafted, time.perf_counter() - self.verify_start)
+        if self.num_drafted:
+            self.controller.acceptance.record(self.confidences, [self.num_drafted], [int(num_matches)])
+        self.metrics.record_step(self.num_drafted, int(num_matches))
+        self.controller.report_to(self.metrics)

@@ -269,8 +269,11 @@ def untrained_speculator(base_config):
     from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 
     text_config = base_config.get_text_config()
+    shape = dict(SPECULATOR_SHAPE)
+    if shape["draft_vocab_size"] >= text_config.vocab_size:  # a vocabulary that small is scored whole
+        shape["draft_vocab_size"] = 0
     config = MLPSpeculatorConfig(
-        vocab_size=text_config.vocab_size, emb_dim=text_config.hidden_size, **SPECULATOR_SHAPE,
-        top_k_tokens_per_head=[1] * SPECULATOR_SHAPE["n_predict"],
+        vocab_size=text_config.vocab_size, emb_dim=text_config.hidden_size, **shape,
+        top_k_tokens_per_head=[1] * shape["n_predict"],
     )  # fmt: skip
     return MLPSpeculatorPreTrainedModel(config)

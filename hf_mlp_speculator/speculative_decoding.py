@@ -25,6 +25,7 @@ padding changes only the order of floating-point sums, as it does for plain batc
 """
 
 import inspect
+import time
 
 import torch
 from transformers import (
@@ -40,6 +41,8 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .controller import SpeculationController, acceptance_for
+from .cost_model import cost_model_for, synchronize
 from .drafting import DraftTree, draft_chain, draft_tree
 from .metrics import SpeculationMetrics
 
@@ -98,7 +101,16 @@ def generate_speculatively(
     sequences[:, :prompt_length] = input_ids
     lengths = torch.full((batch,), prompt_length, device=input_ids.device)
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each row still generating
-    metrics = [SpeculationMetrics() for _ in range(batch)]
+    metrics = [SpeculationMetrics(num_speculative_tokens=num_heads) for _ in range(batch)]
+    if tree:
+        # A tree of depth d verifies its root and up to n_candidates nodes per depth (fewer where paths share a prefix).
+        widths = [min(n_candidates, _product(top_k[:depth])) for depth in range(1, num_heads + 1)]
+        new_tokens = lambda depth: 1 + sum(widths[:depth])  # noqa: E731
+    else:
+        new_tokens = lambda depth: depth + 1  # noqa: E731
+    kind = "tree" if tree else ("chain, sampled" if do_sample else "chain, greedy")
+    controller = SpeculationController(lambda rows: cost_model_for(model, rows), acceptance_for(speculator, kind),
+                                       num_heads, new_tokens)  # fmt: skip
     streamed = prompt_length  # columns of `sequences` handed to the streamer
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -174,11 +186,17 @@ def generate_speculatively(
 
         # A row's verifier forward adds one token of its own: never draft past max_length.
         num_drafts = (generation_config.max_length - lengths[rows] - 1).clamp(min=0, max=num_heads)
+        planned = controller.start_step(cache.get_seq_length(), len(rows))
+        if tree:  # a tree's drafts come all at once: its depth is the one planned
+            num_drafts = num_drafts.clamp(max=planned)
+        elif planned == 0:
+            num_drafts = torch.zeros_like(num_drafts)
         spec_hidden = hidden.to(speculator.device, speculator.dtype)
         if tree:
             drafts = draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates)
         else:
-            drafts = draft_chain(heads, spec_hidden, last_tokens, num_drafts, process, select, confidence_threshold)
+            drafts = draft_chain(heads, spec_hidden, last_tokens, num_drafts, process, select, confidence_threshold,
+                                 controller.keep_drafting)  # fmt: skip
         drafts = _to_device(drafts, input_ids.device)
         num_drafts = drafts.depths.amax(dim=1)  # fewer than asked where a chain stopped at an unsure draft
 
@@ -189,7 +207,11 @@ def generate_speculatively(
         else:  # a chain is causal: the plain 2D mask, which every model takes
             attention = torch.cat([mask, torch.ones_like(drafts.tokens)], dim=1)
         positions = next_position[:, None] + drafts.depths
+        synchronize(input_ids.device)
+        start = time.perf_counter()
         outputs = _forward(model, drafts.tokens, attention, positions, cache, logits_to_keep=drafts.num_nodes)
+        synchronize(input_ids.device)
+        controller.end_step(int(num_drafts.max()), time.perf_counter() - start, drafts.num_nodes)
         paths = drafts.paths()
         scores = outputs.logits.float()
         if logits_processor:
@@ -207,6 +229,12 @@ def generate_speculatively(
         new_tokens = torch.cat([paths[batch_rows, best], next_tokens[:, None]], dim=1)
         new_tokens[batch_rows, accepted] = next_tokens
         kept, finished = emit(new_tokens, accepted + 1)
+        if tree:  # a tree's drafts have no single confidence: one bin holds its acceptance per depth
+            confidences = torch.full((len(rows), num_heads), 0.5, dtype=torch.float64)
+        else:
+            confidences = drafts.confidences
+        if confidences is not None:
+            controller.acceptance.record(confidences, num_drafts.tolist(), accepted.tolist())
         for row, drafted, emitted in zip(rows.tolist(), num_drafts.tolist(), kept.tolist()):
             metrics[row].record_step(drafted, emitted - 1)
 
@@ -224,11 +252,19 @@ def generate_speculatively(
     if streamer is not None:
         streamer.end()
     speculator.speculation_metrics_per_row = metrics
-    speculator.speculation_metrics = sum(metrics, SpeculationMetrics())
+    speculator.speculation_metrics = sum(metrics, SpeculationMetrics(num_speculative_tokens=num_heads))
+    controller.report_to(speculator.speculation_metrics)
     output = sequences[:, : int(lengths.max())]
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=output)
     return output
+
+
+def _product(values) -> int:
+    out = 1
+    for value in values:
+        out *= value
+    return out
 
 
 def _accept_greedy(drafts: DraftTree, targets: torch.LongTensor):
@@ -303,7 +339,8 @@ def _tree_attention_mask(mask, ancestors, dtype):
 
 def _to_device(drafts: DraftTree, device) -> DraftTree:
     return DraftTree(*(None if t is None else t.to(device) for t in (drafts.tokens, drafts.parents, drafts.depths,
-                                                                     drafts.valid, drafts.draft_logits)))  # fmt: skip
+                                                                     drafts.valid, drafts.draft_logits,
+                                                                     drafts.confidences)))  # fmt: skip
 
 
 def _check_tree(top_k: list[int], n_candidates: int, num_heads: int, generation_config) -> None:
