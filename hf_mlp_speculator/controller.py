@@ -172,7 +172,7 @@ class SpeculationController:
         self.verify_seconds[depth] += verify_seconds
         self.total_seconds += time.perf_counter() - self.step_start
         if self.forced is not None and (costs := self.step_costs()) is not None:
-            self.exploring_seconds += max(0.0, costs[depth] - min(costs))
+            self.exploring_seconds += costs[depth]  # the whole step counts: even a cheap depth may emit less
 
     def report_to(self, metrics) -> None:
         """Puts this call's depth counts and measured costs on a `SpeculationMetrics`."""
@@ -185,7 +185,7 @@ class SpeculationController:
         never = [d for d, age in stale.items() if age == math.inf]
         costs = self.step_costs()
         target = never[0] if never else max(stale, key=stale.get)
-        if never or self.exploring_seconds + costs[target] - min(costs) <= EXPLORATION_SHARE * self.total_seconds:
+        if never or self.exploring_seconds + costs[target] <= EXPLORATION_SHARE * self.total_seconds:
             self.cost_model.tried(self.cache_length, self.new_tokens(target))
             return target
         return None

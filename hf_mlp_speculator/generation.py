@@ -139,6 +139,19 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
         )
 
 
+def confidence_threshold(speculator, generation_config, kwargs) -> float:
+    """
+    The call's `assistant_confidence_threshold`: as given to `generate()` (or on the generation config it was given),
+    else as set on the speculator's own `generation_config` (where stock transformers reads an assistant's), else none:
+    the cost-aware controller alone decides where a chain ends. The verifier's config is not read, as in stock
+    transformers; transformers' global default of 0.4 lands there and would cut chains that pay.
+    """
+    candidates = (kwargs.get("assistant_confidence_threshold"),
+                  getattr(generation_config, "assistant_confidence_threshold", None),
+                  getattr(getattr(speculator, "generation_config", None), "assistant_confidence_threshold", None))
+    return next((value for value in candidates if value is not None), 0.0)
+
+
 class MLPSpeculatorGenerationMixin:
     """
     Lets `generate(assistant_model=speculator)` draft with an MLPSpeculator. See the module docstring for the three
@@ -154,6 +167,7 @@ class MLPSpeculatorGenerationMixin:
         generation_config = args[1] if len(args) > 1 else options.pop("generation_config", None)
         merged = self._prepare_generation_config(generation_config, **options)[0]
         check_speculator_fits(self, speculator, merged)
+        kwargs["assistant_confidence_threshold"] = confidence_threshold(speculator, generation_config, kwargs)
         # Never leave a previous call's figures behind.
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
         tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
