@@ -1,10 +1,14 @@
 """Drafts for transformers' assisted decoding loop, from an MLPSpeculator and the verifier's own hidden states."""
 
+import time
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import ModelOutput
 
+from .controller import SpeculationController, acceptance_for
+from .cost_model import cost_model_for, synchronize
 from .drafting import draft_chain
 from .metrics import SpeculationMetrics
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
@@ -14,8 +18,10 @@ from .prompt_lookup import HybridDrafter
 class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     """
     Runs inside `_assisted_decoding` through the `requires_model_outputs` protocol: each round it reads the verifier's
-    last hidden states from the previous forward and drafts up to `min(n_predict, num_assistant_tokens)` tokens, fewer
-    when a draft falls below `assistant_confidence_threshold`.
+    last hidden states from the previous forward and drafts up to `min(n_predict, num_assistant_tokens)` tokens: as
+    many as the cost-aware controller expects to pay (none: the round is a plain decoding step), fewer when a draft
+    falls below `assistant_confidence_threshold`. The verifier's forward is timed from the end of `get_candidates` to
+    `update_candidate_strategy`, which transformers calls right after it.
 
     The draft starts from the hidden state at the position that emitted the last token. After prefill that is the last
     prompt position; after a round that checked `k` drafts and accepted `m` of them it is row `m` of the `k + 1`
@@ -33,6 +39,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         speculator: MLPSpeculatorPreTrainedModel,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
+        verifier=None,
     ):
         self.speculator = speculator
         self.do_sample = generation_config.do_sample
@@ -45,7 +52,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         # Ask the verifier for its last layer only, unless the user asked for all layers: replacing their request
         # would break the per-token split of `hidden_states` in the output.
         self.model_kwargs_overrides = {} if generation_config.output_hidden_states else {"output_hidden_states": -1}
-        self.metrics = SpeculationMetrics()
+        self.metrics = SpeculationMetrics(num_speculative_tokens=self.num_heads)
         self.num_drafted = 0  # drafts of the round now being verified; 0 during prefill
         self.from_lookup = False  # whether they came from prompt lookup (hybrid drafting)
         self.in_prefill = True
@@ -54,6 +61,13 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             self.hybrid = HybridDrafter(1, generation_config.prompt_lookup_num_tokens,
                                         generation_config.max_matching_ngram_size, speculator.config.vocab_size,
                                         self.do_sample)  # fmt: skip
+        self.confidences = None  # of the drafts now being verified
+        self.verify_start = 0.0
+        kind = "chain, sampled" if self.do_sample else "chain, greedy"
+        self.controller = SpeculationController(
+            lambda rows: cost_model_for(verifier if verifier is not None else speculator, rows),
+            acceptance_for(speculator, kind), self.num_heads,
+        )  # fmt: skip
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -80,8 +94,11 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         # Never draft a token the verifier could not emit: its forward also adds one token of its own.
         room = max(0, self.max_length - input_ids.shape[1] - 1)
         self.num_drafted, self.from_lookup = min(self.num_heads, room), False
-        if self.num_drafted == 0:
-            return input_ids, None
+        if self.controller.start_step(input_ids.shape[1] - 1, rows=1) == 0:
+            self.num_drafted = 0  # the speculator's drafts would not pay; prompt lookup's still may
+        if room == 0 or (self.num_drafted == 0 and self.hybrid is None):
+            self.confidences = None
+            return self._verify_from_now(input_ids, None)
 
         def process(scores, drafts):
             if not self.logits_processor:
@@ -94,7 +111,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             limit = 0 if skip is not None and bool(skip[0]) else self.num_drafted
             return draft_chain(
                 self.speculator.speculator, hidden, input_ids[:, -1], torch.tensor([limit], device=input_ids.device),
-                process, self.select, self.confidence_threshold,
+                process, self.select, self.confidence_threshold, self.controller.keep_drafting,
             )  # fmt: skip
 
         if self.hybrid is None:
@@ -104,7 +121,15 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             chain, from_lookup = self.hybrid(speculator_chain, input_ids, length, rows, torch.tensor([room]))
             self.from_lookup = bool(from_lookup[0])
         self.num_drafted = chain.num_nodes - 1  # fewer than asked if the chain stopped at an unsure draft
-        return torch.cat([input_ids, chain.tokens[:, 1:]], dim=-1), chain.draft_logits if self.do_sample else None
+        self.confidences = chain.confidences
+        candidates = torch.cat([input_ids, chain.tokens[:, 1:]], dim=-1)
+        logits = chain.draft_logits if self.do_sample else None
+        return self._verify_from_now(candidates, logits[:, : self.num_drafted] if logits is not None else None)
+
+    def _verify_from_now(self, candidates, logits):
+        synchronize(candidates.device)
+        self.verify_start = time.perf_counter()
+        return candidates, logits
 
     def select(self, logits: torch.FloatTensor) -> torch.LongTensor:
         """Picks a draft from processed logits the way the verifier picks its tokens: argmax, or a sample."""
@@ -115,5 +140,13 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         if self.in_prefill:
             self.in_prefill = False
-        else:
-            self.metrics.record_step(self.num_drafted, int(num_matches), from_lookup=self.from_lookup)
+            return
+        synchronize(input_ids.device)
+        if self.from_lookup:  # the controller sizes the speculator's chains: lookup steps are not its to learn from
+            self.metrics.record_step(self.num_drafted, int(num_matches), from_lookup=True)
+            return
+        self.controller.end_step(self.num_drafted, time.perf_counter() - self.verify_start)
+        if self.num_drafted:
+            self.controller.acceptance.record(self.confidences, [self.num_drafted], [int(num_matches)])
+        self.metrics.record_step(self.num_drafted, int(num_matches))
+        self.controller.report_to(self.metrics)

@@ -277,11 +277,11 @@ def untrained_speculator(base_config):
     from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 
     text_config = base_config.get_text_config()
-    # Its draft vocabulary is the first ids (no targets to pick them from), and no larger than the base's vocabulary.
-    draft_vocab_size = SPECULATOR_SHAPE["draft_vocab_size"]
+    shape = dict(SPECULATOR_SHAPE)
+    if shape["draft_vocab_size"] >= text_config.vocab_size:  # a vocabulary that small is scored whole
+        shape["draft_vocab_size"] = 0
     config = MLPSpeculatorConfig(
-        vocab_size=text_config.vocab_size, emb_dim=text_config.hidden_size,
-        **{**SPECULATOR_SHAPE, "draft_vocab_size": draft_vocab_size if draft_vocab_size < text_config.vocab_size else 0},
-        top_k_tokens_per_head=[1] * SPECULATOR_SHAPE["n_predict"],
+        vocab_size=text_config.vocab_size, emb_dim=text_config.hidden_size, **shape,
+        top_k_tokens_per_head=[1] * shape["n_predict"],
     )  # fmt: skip
     return MLPSpeculatorPreTrainedModel(config)

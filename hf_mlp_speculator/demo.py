@@ -48,7 +48,7 @@ def report(plain: GenerationRun, speculative: GenerationRun) -> str:
 
 
 def run(args) -> int:
-    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype, args.pack_weights)
+    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype)
     texts = evaluation_prompts()[: args.num_prompts]
     plain, speculative = compare(model, speculator, encode_prompts(tokenizer, texts), args.max_new_tokens)
     print(f"\nPrompt: {texts[0]}\nAnswer: {tokenizer.decode(speculative.outputs[0], skip_special_tokens=True)}\n")

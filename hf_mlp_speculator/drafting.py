@@ -22,6 +22,8 @@ class DraftTree:
         valid (`torch.BoolTensor` of shape `(rows, nodes)`): `False` for the padding that evens out the rows.
         draft_logits (`torch.FloatTensor` of shape `(rows, nodes - 1, vocab)`, *optional*): for a sampled chain, the
             processed logits each draft was drawn from.
+        confidences (`torch.FloatTensor` of shape `(rows, nodes - 1)`, *optional*): for a chain, the probability the
+            speculator gave each draft.
     """
 
     tokens: torch.LongTensor
@@ -29,6 +31,7 @@ class DraftTree:
     depths: torch.LongTensor
     valid: torch.BoolTensor
     draft_logits: torch.FloatTensor | None = None
+    confidences: torch.FloatTensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -56,7 +59,8 @@ class DraftTree:
 
 
 def draft_chain(
-    heads: MLPSpeculator, hidden, last_tokens, num_drafts, process, select, confidence_threshold: float = 0.0
+    heads: MLPSpeculator, hidden, last_tokens, num_drafts, process, select, confidence_threshold: float = 0.0,
+    keep_drafting=None,
 ) -> DraftTree:
     """
     Drafts up to `num_drafts[b]` tokens for row `b`, head after head. `process(scores, drafts)` applies the logits
@@ -65,12 +69,13 @@ def draft_chain(
 
     As transformers' assistants do with `assistant_confidence_threshold`, a row's chain ends with its first draft that
     got less than `confidence_threshold` probability: the heads after it would rarely be accepted, and each costs a
-    verified position. Stopping depends on the drafts alone, so decoding stays lossless.
+    verified position. `keep_drafting(confidences, open_rows)`, the cost-aware controller's, may end every row's chain
+    after any head. Stopping depends on the drafts already made alone, so decoding stays lossless.
     """
     device = last_tokens.device  # the verifier's: processors and tokens live there
     state = heads.input_state(hidden)
     token = last_tokens
-    drafts, draft_logits = [], []
+    drafts, draft_logits, confidences = [], [], []
     head = 0
     while head < int(num_drafts.max()):
         state, logits = heads.step(head, state, token.to(state.device))
@@ -78,13 +83,17 @@ def draft_chain(
         token = select(scores)
         drafts.append(token)
         draft_logits.append(scores)
+        confidences.append(scores.softmax(-1).gather(1, token[:, None]).squeeze(1))
         head += 1
         if confidence_threshold > 0:
-            unsure = scores.softmax(-1).gather(1, token[:, None]).squeeze(1) < confidence_threshold
+            unsure = confidences[-1] < confidence_threshold
             num_drafts = torch.where(unsure, num_drafts.clamp(max=head), num_drafts)
+        if keep_drafting is not None and not keep_drafting(torch.stack(confidences, dim=1), num_drafts > head):
+            num_drafts = num_drafts.clamp(max=head)
     candidates = torch.stack(drafts, dim=1)[:, None] if drafts else last_tokens.new_zeros(len(last_tokens), 1, 0)
     tree = tree_from_candidates(candidates, last_tokens, num_drafts)
     tree.draft_logits = torch.stack(draft_logits, dim=1) if draft_logits else None
+    tree.confidences = torch.stack(confidences, dim=1) if confidences else None
     return tree
 
 

@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from .candidate_generator import MLPSpeculatorCandidateGenerator
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from .packed_linear import packed_weights, packing_pays
 from .speculative_decoding import generate_speculatively
 
 logger = logging.get_logger(__name__)
@@ -138,6 +139,19 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
         )
 
 
+def confidence_threshold(speculator, generation_config, kwargs) -> float:
+    """
+    The call's `assistant_confidence_threshold`: as given to `generate()` (or on the generation config it was given),
+    else as set on the speculator's own `generation_config` (where stock transformers reads an assistant's), else none:
+    the cost-aware controller alone decides where a chain ends. The verifier's config is not read, as in stock
+    transformers; transformers' global default of 0.4 lands there and would cut chains that pay.
+    """
+    candidates = (kwargs.get("assistant_confidence_threshold"),
+                  getattr(generation_config, "assistant_confidence_threshold", None),
+                  getattr(getattr(speculator, "generation_config", None), "assistant_confidence_threshold", None))
+    return next((value for value in candidates if value is not None), 0.0)
+
+
 class MLPSpeculatorGenerationMixin:
     """
     Lets `generate(assistant_model=speculator)` draft with an MLPSpeculator. See the module docstring for the three
@@ -153,6 +167,7 @@ class MLPSpeculatorGenerationMixin:
         generation_config = args[1] if len(args) > 1 else options.pop("generation_config", None)
         merged = self._prepare_generation_config(generation_config, **options)[0]
         check_speculator_fits(self, speculator, merged)
+        kwargs["assistant_confidence_threshold"] = confidence_threshold(speculator, generation_config, kwargs)
         # Never leave a previous call's figures behind.
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
         tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
@@ -170,7 +185,10 @@ class MLPSpeculatorGenerationMixin:
                 generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None),
                 stop_string_criterion=stop_strings, **tree,
             )  # fmt: skip
-        output = _STOCK["generate"](self, *args, **kwargs)
+        # The fast verify path, only where it measured faster and only for this call (see `packed_linear`).
+        num_heads = min(speculator.config.n_predict, merged.num_assistant_tokens or speculator.config.n_predict)
+        with packed_weights(self, packing_pays(self, rows, num_heads + 1)):
+            output = _STOCK["generate"](self, *args, **kwargs)
         if speculator.speculation_metrics is not None:
             logger.info(speculator.speculation_metrics)
         return output
@@ -188,7 +206,7 @@ class MLPSpeculatorGenerationMixin:
                 f"{input_ids.shape[0]} came as inputs_embeds, which only transformers' one-sequence loop takes. Pass "
                 "input_ids, or generate one prompt at a time."
             )
-        generator = MLPSpeculatorCandidateGenerator(assistant_model, generation_config, logits_processor)
+        generator = MLPSpeculatorCandidateGenerator(assistant_model, generation_config, logits_processor, self)
         # The speculator is what the user holds after generate(), so that is where the call's metrics are left.
         assistant_model.speculation_metrics = generator.metrics
         assistant_model.speculation_metrics_per_row = [generator.metrics]

@@ -10,7 +10,12 @@ class SpeculationMetrics:
     `speculator.speculation_metrics`.
 
     Only decode steps count: the prefill forward, which emits the first token and drafts nothing, is left out, as vLLM
-    does. A step is one verifier forward that checked `k >= 0` drafts and emitted between 1 and `k + 1` tokens.
+    does. A step is one verifier forward that checked `k >= 0` drafts and emitted between 1 and `k + 1` tokens. In a
+    batch, the token counters add up the rows, and the cost counters count verifier forwards.
+
+    The cost-aware controller's record: `steps_by_depth[k]` verifier forwards checked `k` drafts (0: a plain decoding
+    step), taking `verify_seconds_by_depth[k]` seconds in all; draft head `h` ran `draft_runs_by_head[h]` times in
+    `draft_seconds_by_head[h]` seconds. `mean_verify_seconds` and `mean_draft_seconds` divide them.
     """
 
     num_steps: int = 0
@@ -25,6 +30,12 @@ class SpeculationMetrics:
     # Of the drafts above, those that prompt lookup proposed (hybrid drafting); the rest are the speculator's.
     num_lookup_draft_tokens: int = 0
     num_lookup_accepted_tokens: int = 0
+    # The configured lookahead k: min(n_predict, num_assistant_tokens).
+    num_speculative_tokens: int = 0
+    steps_by_depth: list[int] = field(default_factory=list)
+    verify_seconds_by_depth: list[float] = field(default_factory=list)
+    draft_runs_by_head: list[int] = field(default_factory=list)
+    draft_seconds_by_head: list[float] = field(default_factory=list)
 
     def record_step(self, num_drafted: int, num_accepted: int, from_lookup: bool = False) -> None:
         """
@@ -55,7 +66,16 @@ class SpeculationMetrics:
         def padded(counts):
             return counts + [0] * (heads - len(counts))
 
+        def added(a, b):
+            width = max(len(a), len(b))
+            return [x + y for x, y in zip(a + [0] * (width - len(a)), b + [0] * (width - len(b)))]
+
         return SpeculationMetrics(
+            num_speculative_tokens=max(self.num_speculative_tokens, other.num_speculative_tokens),
+            steps_by_depth=added(self.steps_by_depth, other.steps_by_depth),
+            verify_seconds_by_depth=added(self.verify_seconds_by_depth, other.verify_seconds_by_depth),
+            draft_runs_by_head=added(self.draft_runs_by_head, other.draft_runs_by_head),
+            draft_seconds_by_head=added(self.draft_seconds_by_head, other.draft_seconds_by_head),
             num_steps=self.num_steps + other.num_steps,
             num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
@@ -76,8 +96,24 @@ class SpeculationMetrics:
 
     @property
     def system_efficiency(self) -> float:
-        """Emitted tokens / the most the steps could have emitted, i.e. emitted / (steps x (k + 1))."""
+        """vLLM's figure: emitted tokens / (steps x (k + 1)), with k the configured lookahead (`num_speculative_tokens`)."""
+        possible = self.num_steps * (self.num_speculative_tokens + 1)
+        return self.num_emitted_tokens / possible if possible else 0.0
+
+    @property
+    def verified_efficiency(self) -> float:
+        """Emitted tokens / the positions the verifier checked, i.e. emitted / sum over steps of (drafts made + 1)."""
         return self.num_emitted_tokens / self.max_emitted_tokens if self.max_emitted_tokens else 0.0
+
+    @property
+    def mean_verify_seconds(self) -> dict[int, float]:
+        """{k: mean seconds of a verifier forward that checked k drafts}, for the k that ran."""
+        return {k: s / n for k, (n, s) in enumerate(zip(self.steps_by_depth, self.verify_seconds_by_depth)) if n}
+
+    @property
+    def mean_draft_seconds(self) -> list[float]:
+        """Mean seconds of each draft head's step."""
+        return [s / n if n else 0.0 for n, s in zip(self.draft_runs_by_head, self.draft_seconds_by_head)]
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -86,7 +122,11 @@ class SpeculationMetrics:
 
     @property
     def head_acceptance_rates(self) -> list[float]:
-        """For head i: the share of its drafts accepted, i.e. how often drafts 0..i were all right."""
+        """
+        For head i: accepted drafts of head i / drafts head i made (`head_accepted_tokens[i] / head_draft_tokens[i]`),
+        i.e. of the steps that drafted with head i, the share in which drafts 0..i were all right. The denominator
+        counts only the steps that drafted that deep, so it is not conditional on the earlier drafts being accepted.
+        """
         return [a / d if d else 0.0 for a, d in zip(self.head_accepted_tokens, self.head_draft_tokens)]
 
     @property
@@ -107,14 +147,21 @@ class SpeculationMetrics:
             f"speculator: {self.num_accepted_tokens - self.num_lookup_accepted_tokens} of "
             f"{self.num_draft_tokens - self.num_lookup_draft_tokens}."
         ) * bool(self.num_lookup_draft_tokens)
+        depths = ", ".join(f"k={k}: {n}" for k, n in enumerate(self.steps_by_depth) if n)
+        verify = ", ".join(f"k={k}: {s * 1000:.1f}" for k, s in self.mean_verify_seconds.items())
+        draft = ", ".join(f"{s * 1000:.2f}" for s in self.mean_draft_seconds)
         return (
             f"Speculative metrics: Draft acceptance rate: {self.draft_acceptance_rate:.3f}, "
             f"System efficiency: {self.system_efficiency:.3f}, "
-            f"Number of speculative tokens: {len(self.head_draft_tokens)}, "
+            f"Verified efficiency: {self.verified_efficiency:.3f}, "
+            f"Number of speculative tokens: {self.num_speculative_tokens}, "
             f"Number of accepted tokens: {self.num_accepted_tokens}, "
             f"Number of draft tokens: {self.num_draft_tokens}, "
             f"Number of emitted tokens: {self.num_emitted_tokens}, "
             f"Mean tokens per step: {self.mean_tokens_per_step:.3f}, "
-            f"Per-head acceptance rate: [{heads}]."
+            f"Per-head acceptance rate: [{heads}], "
+            f"Steps by drafts verified: [{depths}], "
+            f"Verify ms by k: [{verify}], "
+            f"Draft ms by head: [{draft}]."
             f"{lookup}"
         )

@@ -123,6 +123,10 @@ def hybrid_chain(speculator_chain: DraftTree, lookup: list[list[int]], use_looku
     chain = tree_from_candidates(candidates, last_tokens, counts)
     depth = chain.num_nodes - 1  # a lookup draft shorter than the speculator's chain may have shortened it
     candidates = candidates[:, :, :depth]
+    if speculator_chain.confidences is not None:  # the controller learns the speculator's acceptance from them
+        width = min(depth, speculator_chain.confidences.shape[1])
+        chain.confidences = speculator_chain.confidences.new_zeros(len(lookup), depth)
+        chain.confidences[:, :width] = speculator_chain.confidences[:, :width]
     if sampled and depth:
         # Positions past a row's own chain are never read; uniform keeps them finite.
         logits = torch.zeros(len(lookup), depth, vocab_size, device=tokens.device)

@@ -25,6 +25,7 @@ padding changes only the order of floating-point sums, as it does for plain batc
 """
 
 import inspect
+import time
 
 import torch
 from transformers import (
@@ -40,6 +41,8 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .controller import SpeculationController, acceptance_for
+from .cost_model import cost_model_for, synchronize
 from .drafting import DraftTree, draft_chain, draft_tree
 from .metrics import SpeculationMetrics
 from .prompt_lookup import HybridDrafter
@@ -109,7 +112,16 @@ def generate_speculatively(
     sequences[:, :prompt_length] = input_ids
     lengths = torch.full((batch,), prompt_length, device=input_ids.device)
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each row still generating
-    metrics = [SpeculationMetrics() for _ in range(batch)]
+    metrics = [SpeculationMetrics(num_speculative_tokens=num_heads) for _ in range(batch)]
+    if tree:
+        # A tree of depth d verifies its root and up to n_candidates nodes per depth (fewer where paths share a prefix).
+        widths = [min(n_candidates, _product(top_k[:depth])) for depth in range(1, num_heads + 1)]
+        new_tokens = lambda depth: 1 + sum(widths[:depth])  # noqa: E731
+    else:
+        new_tokens = lambda depth: depth + 1  # noqa: E731
+    kind = "tree" if tree else ("chain, sampled" if do_sample else "chain, greedy")
+    controller = SpeculationController(lambda rows: cost_model_for(model, rows), acceptance_for(speculator, kind),
+                                       num_heads, new_tokens)  # fmt: skip
     streamed = prompt_length  # columns of `sequences` handed to the streamer
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -186,6 +198,11 @@ def generate_speculatively(
         # A row's verifier forward adds one token of its own: never draft past max_length.
         room = (generation_config.max_length - lengths[rows] - 1).clamp(min=0)
         num_drafts = room.clamp(max=num_heads)
+        planned = controller.start_step(cache.get_seq_length(), len(rows))
+        if tree:  # a tree's drafts come all at once: its depth is the one planned
+            num_drafts = num_drafts.clamp(max=planned)
+        elif planned == 0:  # the speculator's drafts would not pay; prompt lookup's still may
+            num_drafts = torch.zeros_like(num_drafts)
         spec_hidden = hidden.to(speculator.device, speculator.dtype)
         if tree:
             drafts = draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates)
@@ -193,7 +210,8 @@ def generate_speculatively(
 
             def speculator_chain(skip=None):
                 limits = num_drafts if skip is None else torch.where(skip.to(num_drafts.device), 0, num_drafts)
-                chain = draft_chain(heads, spec_hidden, last_tokens, limits, process, select, confidence_threshold)
+                chain = draft_chain(heads, spec_hidden, last_tokens, limits, process, select, confidence_threshold,
+                                    controller.keep_drafting)  # fmt: skip
                 return _to_device(chain, input_ids.device)
 
         from_lookup = torch.zeros_like(rows, dtype=torch.bool)
@@ -211,7 +229,12 @@ def generate_speculatively(
         else:  # a chain is causal: the plain 2D mask, which every model takes
             attention = torch.cat([mask, torch.ones_like(drafts.tokens)], dim=1)
         positions = next_position[:, None] + drafts.depths
+        synchronize(input_ids.device)
+        start = time.perf_counter()
         outputs = _forward(model, drafts.tokens, attention, positions, cache, logits_to_keep=drafts.num_nodes)
+        synchronize(input_ids.device)
+        if not from_lookup.any():  # lookup drafts may run deeper than the depths the controller weighs
+            controller.end_step(int(num_drafts.max()), time.perf_counter() - start, drafts.num_nodes)
         paths = drafts.paths()
         scores = outputs.logits.float()
         if logits_processor:
@@ -229,6 +252,13 @@ def generate_speculatively(
         new_tokens = torch.cat([paths[batch_rows, best], next_tokens[:, None]], dim=1)
         new_tokens[batch_rows, accepted] = next_tokens
         kept, finished = emit(new_tokens, accepted + 1)
+        if tree:  # a tree's drafts have no single confidence: one bin holds its acceptance per depth
+            confidences = torch.full((len(rows), num_heads), 0.5, dtype=torch.float64)
+        else:
+            confidences = drafts.confidences
+        if confidences is not None:  # the speculator's rows only: the controller sizes its chains
+            own = ~from_lookup
+            controller.acceptance.record(confidences[own], num_drafts[own].tolist(), accepted[own].tolist())
         for row, drafted, emitted, lookup in zip(rows.tolist(), num_drafts.tolist(), kept.tolist(),
                                                  from_lookup.tolist()):  # fmt: skip
             metrics[row].record_step(drafted, emitted - 1, from_lookup=lookup)
@@ -247,11 +277,19 @@ def generate_speculatively(
     if streamer is not None:
         streamer.end()
     speculator.speculation_metrics_per_row = metrics
-    speculator.speculation_metrics = sum(metrics, SpeculationMetrics())
+    speculator.speculation_metrics = sum(metrics, SpeculationMetrics(num_speculative_tokens=num_heads))
+    controller.report_to(speculator.speculation_metrics)
     output = sequences[:, : int(lengths.max())]
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=output)
     return output
+
+
+def _product(values) -> int:
+    out = 1
+    for value in values:
+        out *= value
+    return out
 
 
 def _accept_greedy(drafts: DraftTree, targets: torch.LongTensor):
@@ -326,7 +364,8 @@ def _tree_attention_mask(mask, ancestors, dtype):
 
 def _to_device(drafts: DraftTree, device) -> DraftTree:
     return DraftTree(*(None if t is None else t.to(device) for t in (drafts.tokens, drafts.parents, drafts.depths,
-                                                                     drafts.valid, drafts.draft_logits)))  # fmt: skip
+                                                                     drafts.valid, drafts.draft_logits,
+                                                                     drafts.confidences)))  # fmt: skip
 
 
 def _check_tree(top_k: list[int], n_candidates: int, num_heads: int, generation_config) -> None:

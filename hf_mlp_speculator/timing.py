@@ -4,7 +4,6 @@ Speed is counted in tokens. A speculative step emits several tokens at once, so 
 each verifier forward emitted (a streamer sees one chunk per forward), never from the number of chunks.
 """
 
-import argparse
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +15,6 @@ from transformers.utils import logging
 
 from .metrics import SpeculationMetrics
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
-from .packed_linear import pack_linear_weights
 
 
 logger = logging.get_logger(__name__)
@@ -40,13 +38,6 @@ def add_model_arguments(parser) -> None:
         "--dtype", choices=list(DTYPES), default="float32", help="Weights and compute dtype (default: %(default)s)."
     )
     parser.add_argument(
-        "--pack-weights",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Pre-pack both models' linear weights for oneDNN on CPU, so a k+1-token verify step costs about one "
-        "plain step (default: on; plain and speculative runs use the same weights either way).",
-    )
-    parser.add_argument(
         "--max-new-tokens", type=int, default=128, help="Tokens generated per prompt (default: %(default)s)."
     )
     parser.add_argument(
@@ -54,10 +45,10 @@ def add_model_arguments(parser) -> None:
     )
 
 
-def load_pair(model_name: str | None, speculator_name: str | None, dtype: str = "float32", pack_weights=False):
+def load_pair(model_name: str | None, speculator_name: str | None, dtype: str = "float32"):
     """
-    Loads (model, tokenizer, speculator); names left out mean the offline default pair. `pack_weights` packs the
-    linears of both for oneDNN (see `packed_linear`) when they are on CPU.
+    Loads (model, tokenizer, speculator); names left out mean the offline default pair. Both are left as loaded:
+    plain `generate()` runs on them as a user's would, and speculative `generate()` takes its fast path by itself.
     """
     from . import default_models
 
@@ -77,9 +68,6 @@ def load_pair(model_name: str | None, speculator_name: str | None, dtype: str = 
         speculator = AutoModel.from_pretrained(
             speculator_name or default_models.default_speculator(model_name), dtype=DTYPES[dtype]
         )
-    if pack_weights and model.device.type == "cpu":
-        pack_linear_weights(model)
-        pack_linear_weights(speculator)
     return model, tokenizer, speculator.eval()
 
 

@@ -19,6 +19,8 @@ from transformers import (
 )
 
 from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
+from hf_mlp_speculator import generation
+from hf_mlp_speculator.controller import SpeculationController
 
 VOCAB = 96
 HIDDEN = 64
@@ -142,6 +144,23 @@ def expected_steps(prompt_length, max_new_tokens, n_heads, wrong):
         steps.append((position, drafted, accepted))
         length += accepted + 1
     return steps
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cost_aware: the controller chooses depths from its measurements")
+
+
+@pytest.fixture(autouse=True)
+def every_head_drafts(request, monkeypatch):
+    """
+    Outside tests marked `cost_aware`, every step drafts all the heads the call allows (then the confidence threshold
+    and the length limit apply), so that what the decoding machinery does is known exactly; the controller would
+    choose depths from wall-clock timings. Nor do they time packed weights against plain ones (forwards that tests
+    counting forwards would see). Both are tested in test_cost_aware.py and test_packed_linear.py.
+    """
+    if request.node.get_closest_marker("cost_aware") is None:
+        monkeypatch.setattr(SpeculationController, "_forced_depth", lambda self: self.cap)
+        monkeypatch.setattr(generation, "packing_pays", lambda *args: False)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_prompt, make_speculator, make_verifier
+from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 
@@ -156,9 +157,15 @@ def test_confidence_threshold_stops_the_chain_after_an_unconfident_draft():
         assert metrics.head_draft_tokens[:2] == [9, 9]
         assert metrics.head_acceptance_rates[:2] == [1.0, 0.0]
 
-    # Unset, transformers' default of 0.4 applies: a random speculator's drafts are all below it, one per step.
-    verifier.generation_config.assistant_confidence_threshold = None
+    # Unset, no threshold applies (transformers' default of 0.4 on the verifier's config is not read, as stock
+    # transformers does not read it there): every head drafts (the test fixture's stand-in for the controller).
+    verifier.generation_config.assistant_confidence_threshold = 0.4
     speculator = make_speculator(n_predict=3)
+    assert torch.equal(greedy(verifier, prompt, max_new_tokens=20, assistant_model=speculator), expected)
+    assert len(speculator.speculation_metrics.head_draft_tokens) == 3
+    # Set on the speculator's generation_config, where transformers reads an assistant's: a random speculator's
+    # drafts are all below it, one per step.
+    speculator.generation_config = GenerationConfig(assistant_confidence_threshold=0.4)
     assert torch.equal(greedy(verifier, prompt, max_new_tokens=20, assistant_model=speculator), expected)
     metrics = speculator.speculation_metrics
     assert metrics.num_steps == 19 and metrics.head_draft_tokens == [18]  # the last step has no room for a draft

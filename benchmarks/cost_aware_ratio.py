@@ -1,0 +1,64 @@
+"""Plain greedy `generate()` against `generate(assistant_model=speculator)` with no other argument, as ratios.
+
+For each batch size, the evaluation prompts (never trained on) run in batches of that size, plain and speculative
+taking turns batch by batch, after a warm-up at each size that pays the one-time costs of the process (packing the
+weights, the cost model's first timings). Prints the speedup (plain seconds / speculative seconds), whether every
+output was identical, and the depths the controller chose.
+
+    python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64
+    python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8
+"""
+
+import argparse
+import time
+
+import torch
+
+from hf_mlp_speculator.default_models import evaluation_prompts
+from hf_mlp_speculator.timing import WARMUP_TOKENS, encode_prompts, load_pair
+from hf_mlp_speculator.training.documents import left_padded
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--speculator", help="a folder, or 'untrained' (default: the default speculator)")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--assistant-confidence-threshold", type=float, help="passed to the speculative calls only")
+    args = parser.parse_args()
+    model, tokenizer, speculator = load_pair(None, args.speculator)
+    prompts = [p[0].tolist() for p in encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for size in [int(s) for s in args.batch_sizes.split(",")]:
+        batches = [left_padded(prompts[i : i + size], pad) for i in range(0, len(prompts) - size + 1, size)]
+        seconds, same, metrics = {"plain": 0.0, "speculative": 0.0}, True, None
+        for index, (input_ids, mask) in enumerate([batches[0]] + batches):
+            warmup = index == 0
+            kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=pad,
+                          max_new_tokens=WARMUP_TOKENS * 2 if warmup else args.max_new_tokens)  # fmt: skip
+            outputs = {}
+            speculative = {"assistant_model": speculator}
+            if args.assistant_confidence_threshold is not None:
+                speculative["assistant_confidence_threshold"] = args.assistant_confidence_threshold
+            for name, extra in (("plain", {}), ("speculative", speculative)):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    outputs[name] = model.generate(input_ids, **kwargs, **extra)
+                if not warmup:
+                    seconds[name] += time.perf_counter() - start
+            if not warmup:
+                same &= torch.equal(outputs["plain"], outputs["speculative"])
+                metrics = speculator.speculation_metrics if metrics is None else metrics + speculator.speculation_metrics
+        print(
+            f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x "
+            f"(plain {seconds['plain']:.1f} s, speculative {seconds['speculative']:.1f} s, {len(batches)} batches), "
+            f"identical: {'yes' if same else 'NO'}, tokens/step {metrics.mean_tokens_per_step:.2f}, "
+            f"steps by k {metrics.steps_by_depth}, verify ms by k "
+            f"{ {k: round(s * 1000, 1) for k, s in metrics.mean_verify_seconds.items()} }",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""What a verifier forward and a draft head cost, measured online from the steps that speculative decoding runs.
+
+Whether a draft pays depends on the hardware: on a CPU a verifier forward over `k + 1` new tokens may cost nearly
+`k + 1` plain steps, on a GPU about one. So nothing here is assumed: every verifier forward and every draft head of a
+call is timed, and the controller (`controller.py`) reads the medians of the recent timings. Only ratios between
+these costs decide anything, so a uniformly slow spell of a shared machine changes no choice.
+
+A cost model lives for the process, one per (verifier, device, dtype, batch bucket): a later call at the same batch
+size starts with what the earlier ones measured.
+"""
+
+import math
+import statistics
+from collections import defaultdict, deque
+
+import torch
+
+# Recent timings kept per measured quantity: enough for a stable median, few enough to follow a change of load.
+WINDOW = 16
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes share a cost model up to the next power of two: costs change slowly with the batch."""
+    return 1 << max(0, int(batch_size) - 1).bit_length()
+
+
+def cache_bucket(cache_length: int) -> int:
+    """Cache lengths share timings up to doubling from 256 on: attention grows with the cache, the rest does not."""
+    return max(0, int(cache_length) // 256).bit_length()
+
+
+class CostModel:
+    """
+    Median seconds of a verifier forward per (cache bucket, new tokens per row `m`) and of each draft head. A forward
+    with an `m` that was never timed is interpolated linearly between the nearest timed ones (flat past the largest),
+    from the nearest cache bucket that has timings; `None` when nothing was timed yet.
+    """
+
+    def __init__(self):
+        self.verify = defaultdict(lambda: deque(maxlen=WINDOW))  # (cache bucket, m) -> seconds
+        self.draft = defaultdict(lambda: deque(maxlen=WINDOW))  # head -> seconds
+        self.last_tried = {}  # (cache bucket, m) -> how many verify timings had been recorded when it was last tried
+        self.num_timings = 0
+
+    def record_verify(self, cache_length: int, new_tokens: int, seconds: float) -> None:
+        key = (cache_bucket(cache_length), int(new_tokens))
+        self.verify[key].append(seconds)
+        self.num_timings += 1
+        self.last_tried[key] = self.num_timings
+
+    def tried(self, cache_length: int, new_tokens: int) -> None:
+        """Notes that a step was meant to verify `new_tokens` per row: it may end shallower (an unsure draft)."""
+        self.last_tried[(cache_bucket(cache_length), int(new_tokens))] = self.num_timings
+
+    def record_draft(self, head: int, seconds: float) -> None:
+        self.draft[head].append(seconds)
+
+    def timed_new_tokens(self, cache_length: int) -> dict[int, float]:
+        """{m: median seconds} for the cache bucket of `cache_length`, else for the nearest bucket with timings."""
+        buckets = sorted({bucket for bucket, _ in self.verify}, key=lambda b: abs(b - cache_bucket(cache_length)))
+        if not buckets:
+            return {}
+        return {m: statistics.median(times) for (bucket, m), times in self.verify.items() if bucket == buckets[0]}
+
+    def verify_cost(self, cache_length: int, new_tokens: int) -> float | None:
+        timed = self.timed_new_tokens(cache_length)
+        if not timed:
+            return None
+        if new_tokens in timed:
+            return timed[new_tokens]
+        below = [m for m in timed if m < new_tokens]
+        above = [m for m in timed if m > new_tokens]
+        if not above:
+            return timed[max(below)]
+        if not below:
+            return timed[min(above)]
+        low, high = max(below), min(above)
+        share = (new_tokens - low) / (high - low)
+        return timed[low] + share * (timed[high] - timed[low])
+
+    def draft_cost(self, head: int) -> float:
+        """A head never timed costs what the nearest timed one does (heads have the same shape); 0 before any."""
+        if not self.draft:
+            return 0.0
+        nearest = min(self.draft, key=lambda h: abs(h - head))
+        return statistics.median(self.draft[nearest])
+
+    def staleness(self, cache_length: int, new_tokens: int) -> float:
+        """How many verify timings ago a step last tried this `m` in this cache bucket (`inf` if never)."""
+        key = (cache_bucket(cache_length), int(new_tokens))
+        return self.num_timings - self.last_tried[key] if key in self.last_tried else math.inf
+
+    def summary(self) -> dict:
+        """{"verify_seconds_by_new_tokens": {m: s}, "draft_seconds_by_head": {h: s}} over all cache buckets."""
+        by_m = defaultdict(list)
+        for (_, m), times in self.verify.items():
+            by_m[m] += times
+        return {
+            "verify_seconds_by_new_tokens": {m: statistics.median(t) for m, t in sorted(by_m.items())},
+            "draft_seconds_by_head": {h: statistics.median(t) for h, t in sorted(self.draft.items())},
+        }
+
+
+_COST_MODELS: dict[tuple, CostModel] = {}
+
+
+def cost_model_for(model, batch_size: int, variant: str = "") -> CostModel:
+    """The process's cost model for `model` at this batch size; `variant` separates e.g. packed from plain weights."""
+    param = next(model.parameters())
+    key = (type(model).__name__, getattr(model.config, "_name_or_path", ""), id(model), str(param.device),
+           str(param.dtype), batch_bucket(batch_size), variant)  # fmt: skip
+    if key not in _COST_MODELS:
+        _COST_MODELS[key] = CostModel()
+    return _COST_MODELS[key]
+
+
+def synchronize(device) -> None:
+    """Waits for queued GPU work, so that a timing covers the work and not just its launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,194 @@
+"""The cost-aware controller's choices, the cost model, and lossless decoding with both in charge."""
+
+import functools
+import time
+
+import pytest
+import torch
+from conftest import make_oracle, make_prompt, make_speculator, make_verifier
+from torch import nn
+from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+from hf_mlp_speculator.controller import AcceptanceEstimate, SpeculationController, best_depth, expected_tokens
+from hf_mlp_speculator.cost_model import CostModel, batch_bucket, cache_bucket
+from hf_mlp_speculator.packed_linear import PackedLinear, packed_weights, packing_pays
+
+pytestmark = pytest.mark.cost_aware
+
+
+def filled_cost_model(verify, draft=0.0, cache_length=100):
+    """A cost model that timed `verify[m - 1]` seconds for m = 1.. new tokens, and `draft` per head."""
+    costs = CostModel()
+    for m, seconds in enumerate(verify, start=1):
+        costs.record_verify(cache_length, m, seconds)
+    for head in range(len(verify) - 1):
+        costs.record_draft(head, draft)
+    return costs
+
+
+def controller_with(costs, acceptance, cap):
+    controller = SpeculationController(lambda rows: costs, acceptance, cap)
+    controller.total_seconds = 0.0  # no exploration budget: the choice is the estimate's alone
+    return controller
+
+
+def test_picks_a_plain_step_where_drafts_never_pay():
+    # Verifying k + 1 tokens costs k + 1 steps (a CPU without the fast path): no acceptance below 1 can pay for it.
+    costs = filled_cost_model([0.1 * m for m in range(1, 5)], draft=0.001)
+    acceptance = AcceptanceEstimate(3)
+    confidences = torch.full((40, 3), 0.9, dtype=torch.float64)
+    acceptance.record(confidences, [3] * 40, [1] * 40)  # head 0 always right, head 1 always wrong
+    controller = controller_with(costs, acceptance, cap=3)
+    assert controller.start_step(cache_length=100, rows=1) == 0
+    assert best_depth(torch.ones(1, 0, dtype=torch.float64), [0.99, 0.99, 0.99], [0.1, 0.2, 0.3, 0.4]) == 0
+
+
+def test_picks_the_known_optimum_of_a_cost_and_acceptance_table():
+    acceptance, verify = [0.9, 0.8, 0.5, 0.1], [1.0, 1.1, 1.2, 1.6, 2.0]
+    # By hand: expected tokens 1, 1.9, 2.62, 2.98, 3.016 per step, over the costs: 1, 1.73, 2.18, 1.86, 1.51.
+    assert best_depth(torch.ones(1, 0, dtype=torch.float64), acceptance, verify) == 2
+    tokens = expected_tokens(torch.ones(1, 0, dtype=torch.float64), acceptance)
+    assert tokens.tolist() == pytest.approx([1, 1.9, 2.62, 2.98, 3.016])
+    # Two rows share one forward; a row whose chain ended adds no further tokens.
+    prefix = torch.tensor([[0.9], [0.9]], dtype=torch.float64)
+    assert expected_tokens(prefix, [0.5], torch.tensor([True, False])).tolist() == pytest.approx([3.8, 4.25])
+    # Cheap verification (a GPU): every head pays.
+    assert best_depth(torch.ones(1, 0, dtype=torch.float64), acceptance, [1.0, 1.01, 1.02, 1.03, 1.04]) == 4
+
+
+def test_controller_follows_the_confidence_of_the_drafts_made():
+    costs = filled_cost_model([1.0, 1.1, 1.2, 1.3])
+    acceptance = AcceptanceEstimate(3)
+    for confidence, accepted in ((0.95, 1), (0.05, 0)):  # confident drafts are kept, unsure ones rejected
+        acceptance.record(torch.full((60, 3), confidence, dtype=torch.float64), [3] * 60, [3 * accepted] * 60)
+    controller = controller_with(costs, acceptance, cap=3)
+    assert controller.start_step(cache_length=100, rows=1) >= 1
+    assert controller.keep_drafting(torch.tensor([[0.97]]), torch.tensor([True]))
+    assert not controller.keep_drafting(torch.tensor([[0.97, 0.02]]), torch.tensor([True]))
+
+
+def test_cost_model_recovers_a_synthetic_cost_curve():
+    costs = CostModel()
+    curve = {m: 0.050 + 0.010 * m for m in (1, 2, 3, 5)}  # m = 4 never timed
+    for repeat in range(9):
+        for m, seconds in curve.items():
+            # A slow spell now and then (a shared machine): the median ignores it.
+            costs.record_verify(300, m, seconds * (5 if repeat % 4 == 0 else 1))
+    for head, seconds in enumerate([0.004, 0.002]):
+        for _ in range(3):
+            costs.record_draft(head, seconds)
+    assert [costs.verify_cost(300, m) for m in (1, 2, 3, 5)] == pytest.approx(list(curve.values()))
+    assert costs.verify_cost(300, 4) == pytest.approx(0.090)  # between the timed neighbours
+    assert costs.verify_cost(300, 8) == pytest.approx(0.100)  # flat past the largest timed
+    assert costs.verify_cost(5000, 2) == pytest.approx(0.070)  # from the nearest timed cache length
+    assert (costs.draft_cost(0), costs.draft_cost(1), costs.draft_cost(3)) == pytest.approx((0.004, 0.002, 0.002))
+    assert CostModel().verify_cost(300, 1) is None
+    assert (batch_bucket(1), batch_bucket(5), batch_bucket(8), cache_bucket(100), cache_bucket(600)) == (1, 8, 8, 0, 2)
+
+
+def test_every_depth_is_timed_once_then_exploration_stays_within_its_share():
+    costs = CostModel()
+    controller = SpeculationController(lambda rows: costs, AcceptanceEstimate(2), cap=2)
+    fake = {"now": 0.0}
+    chosen = []
+    original = time.perf_counter
+    try:
+        time.perf_counter = lambda: fake["now"]
+        for _ in range(400):
+            depth = controller.start_step(cache_length=50, rows=1)
+            fake["now"] += 1.0 + depth  # verifying costs 1 s per token: only plain steps pay
+            controller.end_step(depth, 1.0 + depth)
+            chosen.append(depth)
+    finally:
+        time.perf_counter = original
+    assert chosen[:3] == [0, 1, 2]  # never-timed depths first
+    explored = [d for d in chosen[3:] if d]  # exploration steps that drafted; each cost 1 + d seconds
+    assert explored and sum(1.0 + d for d in explored) <= 0.02 * sum(1.0 + d for d in chosen)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """`time.perf_counter` moved only by verifier forwards: `clock.forward(m)` seconds for m new tokens."""
+    state = type("Clock", (), {"now": 0.0, "forward": staticmethod(lambda m: 1.0 + 0.1 * m)})()
+    for cls in (LlamaForCausalLM, GPT2LMHeadModel):
+        forward = cls.forward
+
+        @functools.wraps(forward)
+        def timed(self, *args, _forward=forward, **kwargs):
+            state.now += state.forward((args[0] if args else kwargs["input_ids"]).shape[1])
+            return _forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "forward", timed)
+    monkeypatch.setattr(time, "perf_counter", lambda: state.now)
+    return state
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_identical_with_the_controller_choosing(arch, rows, clock):
+    verifier = make_verifier(arch)
+    prompt = torch.cat([make_prompt(seed=2 + row) for row in range(rows)])
+    mask = torch.ones_like(prompt)
+    mask[1:, :3] = 0  # left padding on all rows but the first
+    speculator = make_oracle(verifier, prompt, 30, wrong=lambda row, position, head: (row + position + head) % 4 == 3,
+                             attention_mask=mask)  # fmt: skip
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False)
+    expected = verifier.generate(prompt, **kwargs)
+    for _ in range(2):  # the second call starts from the first one's timings and acceptance
+        assert torch.equal(verifier.generate(prompt, assistant_model=speculator, **kwargs), expected)
+    metrics = speculator.speculation_metrics
+    # Cheap verification and mostly right drafts: the controller drafts, yet not always to full depth.
+    assert sum(metrics.steps_by_depth[1:]) > metrics.steps_by_depth[0] and metrics.num_accepted_tokens > 0
+    assert sum(metrics.steps_by_depth) == metrics.num_steps if rows == 1 else True
+
+
+def test_controller_takes_plain_steps_for_a_random_speculator_on_an_expensive_verifier(clock):
+    clock.forward = lambda m: float(m)  # k + 1 tokens cost k + 1 steps
+    verifier, prompt = make_verifier(), make_prompt()
+    speculator = make_speculator()
+    expected = verifier.generate(prompt, max_new_tokens=40, do_sample=False)
+    assert torch.equal(verifier.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=speculator),
+                       expected)  # fmt: skip
+    steps = speculator.speculation_metrics.steps_by_depth
+    assert steps[0] >= 0.8 * sum(steps)
+
+
+def test_packed_weights_leave_the_model_as_it_was_and_never_go_stale():
+    verifier = make_verifier()
+    tokens = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        with packed_weights(verifier):
+            assert all(type(m) is PackedLinear for m in verifier.modules() if isinstance(m, nn.Linear))
+            first = verifier(tokens).logits
+        assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
+        assert not any(hasattr(m, "packed_weight") for m in verifier.modules())
+        torch.testing.assert_close(first, verifier(tokens).logits, rtol=1e-5, atol=1e-5)
+        # New weights by load_state_dict (an in-place copy), then by an in-place edit: the packed copies follow.
+        verifier.load_state_dict(make_verifier(seed=5).state_dict())
+        verifier.model.layers[0].mlp.up_proj.weight.mul_(2)
+        expected = verifier(tokens).logits
+        with packed_weights(verifier):
+            torch.testing.assert_close(verifier(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    verifier.to(torch.bfloat16)  # a plain model again: any dtype change works
+    assert next(verifier.parameters()).dtype == torch.bfloat16
+    assert packing_pays(verifier, 1, 4) is False  # bf16: not packed
+
+
+def test_speculative_generate_with_packing_is_identical_and_unpacks(monkeypatch):
+    verifier, prompt = make_verifier(), make_prompt()
+    speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 2)
+    expected = verifier.generate(prompt, max_new_tokens=20, do_sample=False)
+    from hf_mlp_speculator import generation
+
+    monkeypatch.setattr(generation, "packing_pays", lambda *args: True)
+    seen = []
+    forward = LlamaForCausalLM.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(type(self.lm_head) is PackedLinear)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", spy)
+    output = verifier.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=speculator)
+    assert torch.equal(output, expected) and seen and all(seen)
+    assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
