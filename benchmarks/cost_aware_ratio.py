@@ -49,7 +49,8 @@ def main():
                     seconds[name] += time.perf_counter() - start
             if not warmup:
                 same &= torch.equal(outputs["plain"], outputs["speculative"])
-                metrics = speculator.speculation_metrics if metrics is None else metrics + speculator.speculation_metrics
+                call = speculator.speculation_metrics
+                metrics = call if metrics is None else metrics + call
         print(
             f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x "
             f"(plain {seconds['plain']:.1f} s, speculative {seconds['speculative']:.1f} s, {len(batches)} batches), "

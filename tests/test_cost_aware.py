@@ -83,6 +83,10 @@ def test_cost_model_recovers_a_synthetic_cost_curve():
     assert costs.verify_cost(5000, 2) == pytest.approx(0.070)  # from the nearest timed cache length
     assert (costs.draft_cost(0), costs.draft_cost(1), costs.draft_cost(3)) == pytest.approx((0.004, 0.002, 0.002))
     assert CostModel().verify_cost(300, 1) is None
+    # A larger m timed cheaper than a smaller one (a quiet spell) costs at least as much as the smaller one.
+    costs.record_verify(10, 1, 0.2)
+    costs.record_verify(10, 3, 0.1)
+    assert (costs.verify_cost(10, 1), costs.verify_cost(10, 3)) == (0.2, 0.2)
     assert (batch_bucket(1), batch_bucket(5), batch_bucket(8), cache_bucket(100), cache_bucket(600)) == (1, 8, 8, 0, 2)
 
 
