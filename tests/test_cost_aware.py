@@ -196,3 +196,14 @@ def test_speculative_generate_with_packing_is_identical_and_unpacks(monkeypatch)
     output = verifier.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=speculator)
     assert torch.equal(output, expected) and seen and all(seen)
     assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
+
+
+def test_sampling_stays_exact_while_the_controller_varies_the_depth(clock):
+    """Depths chosen from the confidences of earlier drafts leave the sampled distribution on the verifier's."""
+    from test_sampling import SAMPLES, chi_square_p_value, exact_distribution, sample_counts, sharp_pair
+
+    verifier, speculator = sharp_pair()
+    counts, drafted, accepted = sample_counts(verifier, speculator)
+    steps = speculator.speculation_metrics.steps_by_depth
+    assert 0 < accepted < drafted and sum(1 for n in steps if n) >= 2  # drafts kept and rejected, at several depths
+    assert chi_square_p_value(counts, exact_distribution(verifier), SAMPLES) > 1e-3
