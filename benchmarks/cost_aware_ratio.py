@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--assistant-confidence-threshold", type=float, help="passed to the speculative calls only")
+    parser.add_argument("--tree", action="store_true", help="draft trees (the speculator's n_candidates)")
     args = parser.parse_args()
     model, tokenizer, speculator = load_pair(None, args.speculator)
     prompts = [p[0].tolist() for p in encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])]
@@ -39,6 +40,8 @@ def main():
                           max_new_tokens=WARMUP_TOKENS * 2 if warmup else args.max_new_tokens)  # fmt: skip
             outputs = {}
             speculative = {"assistant_model": speculator}
+            if args.tree:
+                speculative["n_candidates"] = speculator.config.n_candidates
             if args.assistant_confidence_threshold is not None:
                 speculative["assistant_confidence_threshold"] = args.assistant_confidence_threshold
             for name, extra in (("plain", {}), ("speculative", speculative)):
@@ -49,7 +52,8 @@ def main():
                     seconds[name] += time.perf_counter() - start
             if not warmup:
                 same &= torch.equal(outputs["plain"], outputs["speculative"])
-                metrics = speculator.speculation_metrics if metrics is None else metrics + speculator.speculation_metrics
+                call = speculator.speculation_metrics
+                metrics = call if metrics is None else metrics + call
         print(
             f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x "
             f"(plain {seconds['plain']:.1f} s, speculative {seconds['speculative']:.1f} s, {len(batches)} batches), "

@@ -3,7 +3,7 @@
     python benchmarks/hybrid_drafting.py --num-prompts 8 --max-new-tokens 96
 
 The four modes take turns prompt by prompt (as in `hf-mlp-speculator bench`), on the default pair unless --model and
---speculator say otherwise. Writes bench_results/hybrid_drafting.{json,md}.
+--speculator say otherwise, each on the weights as loaded: speculative modes take the fast verify path by themselves. Writes bench_results/hybrid_drafting.{json,md}.
 """
 
 import argparse
@@ -21,7 +21,7 @@ def main():
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     parser.add_argument("--output-dir", default="bench_results")
     args = parser.parse_args()
-    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype, args.pack_weights)
+    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype)
     greedy = {"do_sample": False}
     lookup = {"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
     modes = [
@@ -47,7 +47,7 @@ def main():
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     settings = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens, "pack_weights": args.pack_weights}
+                "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
     (output_dir / "hybrid_drafting.json").write_text(json.dumps({"settings": settings, "results": results}, indent=2))
     (output_dir / "hybrid_drafting.md").write_text("\n".join(tables))
 

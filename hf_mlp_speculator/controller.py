@@ -46,8 +46,9 @@ def expected_tokens(prefix: torch.Tensor, tail_acceptance: list[float], open_row
 
 def best_depth(prefix, tail_acceptance, step_costs, open_rows=None) -> int:
     """
-    The depth `d >= j` (`j = prefix.shape[1]`, drafts already made) that maximises expected tokens / `step_costs[d - j]`,
-    the seconds of a step that ends at depth `d`. The shallowest wins a tie: deeper costs memory for nothing.
+    The depth `d >= j` (`j = prefix.shape[1]`, drafts already made) that maximises expected tokens /
+    `step_costs[d - j]`, the seconds of a step that ends at depth `d`. The shallowest wins a tie: deeper costs memory
+    for nothing.
     """
     tokens = expected_tokens(prefix, tail_acceptance, open_rows)
     rates = [float(t) / c if c > 0 else math.inf for t, c in zip(tokens, step_costs)]
@@ -84,7 +85,7 @@ class AcceptanceEstimate:
         return torch.stack(columns, dim=1).cumprod(dim=1)
 
     def record(self, confidences: torch.Tensor, num_drafted, num_accepted) -> None:
-        """`confidences[r, h]` of row `r`'s draft `h`; the row drafted `num_drafted[r]` and had `num_accepted[r]` kept."""
+        """Row `r` drafted `num_drafted[r]` tokens with `confidences[r]`, and the first `num_accepted[r]` were kept."""
         confidences = confidences.cpu()
         for row, (drafted, accepted) in enumerate(zip(num_drafted, num_accepted)):
             for head in range(min(int(drafted), int(accepted) + 1)):  # a head counts only where its predecessors held
@@ -99,7 +100,7 @@ _ACCEPTANCE = weakref.WeakKeyDictionary()  # speculator -> {kind: AcceptanceEsti
 
 
 def acceptance_for(speculator, kind: str) -> AcceptanceEstimate:
-    """The running estimate of `speculator` for `kind` of drafts (chain or tree, greedy or sampled), for the process."""
+    """The process's running estimate of `speculator` for `kind` of drafts (chain or tree, greedy or sampled)."""
     estimates = _ACCEPTANCE.setdefault(speculator, {})
     if kind not in estimates:
         estimates[kind] = AcceptanceEstimate(speculator.config.n_predict)
@@ -112,7 +113,7 @@ class SpeculationController:
     verifier's new tokens per row at depth `d`: `d + 1` for a chain, the node count for a tree. `cap` is the most
     heads that may draft (`num_assistant_tokens`). Per step: `start_step` gives the planned depth (0: a plain step);
     a chain then asks `keep_drafting` after each head, with the confidences of its drafts; `end_step` records the
-    verifier's forward and `record_acceptance` what it kept.
+    verifier's forward, and `acceptance.record` what it kept.
     """
 
     def __init__(self, cost_models, acceptance: AcceptanceEstimate, cap: int, new_tokens=lambda d: d + 1):
@@ -129,10 +130,11 @@ class SpeculationController:
 
     def step_costs(self, depth: int = 0) -> list[float] | None:
         """Seconds of a step ending at each depth `depth .. cap`; None while a depth has no timing to go on."""
-        verify = [self.cost_model.verify_cost(self.cache_length, self.new_tokens(d)) for d in range(depth, self.cap + 1)]
+        depths = range(depth, self.cap + 1)
+        verify = [self.cost_model.verify_cost(self.cache_length, self.new_tokens(d)) for d in depths]
         if any(v is None for v in verify):
             return None
-        drafting = [sum(self.cost_model.draft_cost(h) for h in range(d)) for d in range(depth, self.cap + 1)]
+        drafting = [sum(self.cost_model.draft_cost(h) for h in range(d)) for d in depths]
         return [v + c for v, c in zip(verify, drafting)]
 
     def start_step(self, cache_length: int, rows: int) -> int:
@@ -166,7 +168,7 @@ class SpeculationController:
         return best_depth(prefix, tail, self.step_costs(depth), open_rows.cpu()) > depth
 
     def end_step(self, depth: int, verify_seconds: float, new_tokens: int | None = None) -> None:
-        """Records the verifier forward of a step that drafted `depth` heads (`new_tokens` per row, if not the usual)."""
+        """Records the verifier forward of a step that drafted `depth` heads (`new_tokens` per row, if unusual)."""
         self.cost_model.record_verify(self.cache_length, new_tokens or self.new_tokens(depth), verify_seconds)
         self.depth_counts[depth] += 1
         self.verify_seconds[depth] += verify_seconds
@@ -180,7 +182,7 @@ class SpeculationController:
         metrics.draft_runs_by_head, metrics.draft_seconds_by_head = list(self.draft_runs), list(self.draft_seconds)
 
     def _forced_depth(self) -> int | None:
-        """A depth to run regardless of the estimates: first each depth never timed, then within the exploration share."""
+        """A depth to run whatever the estimates: first each depth never tried, then within the exploration share."""
         stale = {d: self.cost_model.staleness(self.cache_length, self.new_tokens(d)) for d in range(self.cap + 1)}
         never = [d for d, age in stale.items() if age == math.inf]
         costs = self.step_costs()

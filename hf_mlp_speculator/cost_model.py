@@ -33,7 +33,7 @@ class CostModel:
     """
     Median seconds of a verifier forward per (cache bucket, new tokens per row `m`) and of each draft head. A forward
     with an `m` that was never timed is interpolated linearly between the nearest timed ones (flat past the largest),
-    from the nearest cache bucket that has timings; `None` when nothing was timed yet.
+    from the nearest cache bucket that has timings; `None` when nothing was timed yet. Costs never fall with `m`.
     """
 
     def __init__(self):
@@ -66,17 +66,20 @@ class CostModel:
         timed = self.timed_new_tokens(cache_length)
         if not timed:
             return None
-        if new_tokens in timed:
-            return timed[new_tokens]
         below = [m for m in timed if m < new_tokens]
         above = [m for m in timed if m > new_tokens]
-        if not above:
-            return timed[max(below)]
-        if not below:
-            return timed[min(above)]
-        low, high = max(below), min(above)
-        share = (new_tokens - low) / (high - low)
-        return timed[low] + share * (timed[high] - timed[low])
+        if new_tokens in timed:
+            value = timed[new_tokens]
+        elif not above:
+            value = timed[max(below)]
+        elif not below:
+            value = timed[min(above)]
+        else:
+            low, high = max(below), min(above)
+            value = timed[low] + (new_tokens - low) / (high - low) * (timed[high] - timed[low])
+        # A forward over more tokens does at least the work of one over fewer: a timing that says otherwise caught a
+        # quiet spell of the machine, and believing it would make drafting look cheaper than a plain step.
+        return max([value, *(timed[m] for m in below)])
 
     def draft_cost(self, head: int) -> float:
         """A head never timed costs what the nearest timed one does (heads have the same shape); 0 before any."""

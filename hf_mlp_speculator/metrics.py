@@ -96,7 +96,7 @@ class SpeculationMetrics:
 
     @property
     def system_efficiency(self) -> float:
-        """vLLM's figure: emitted tokens / (steps x (k + 1)), with k the configured lookahead (`num_speculative_tokens`)."""
+        """vLLM's figure: emitted tokens / (steps x (k + 1)), k the configured lookahead (`num_speculative_tokens`)."""
         possible = self.num_steps * (self.num_speculative_tokens + 1)
         return self.num_emitted_tokens / possible if possible else 0.0
 

@@ -66,7 +66,7 @@ def _packed_copy(weight: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def packed_weights(model: nn.Module, enabled: bool = True):
-    """Inside, `model`'s `nn.Linear`s multiply with packed weights (see the module docstring); a no-op if not `enabled`."""
+    """Inside, `model`'s `nn.Linear`s multiply with packed weights (see the module docstring), if `enabled`."""
     linears = [m for m in model.modules() if type(m) is nn.Linear] if enabled and _packable(model) else []
     try:
         for module in linears:

@@ -114,7 +114,7 @@ def generate_speculatively(
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each row still generating
     metrics = [SpeculationMetrics(num_speculative_tokens=num_heads) for _ in range(batch)]
     if tree:
-        # A tree of depth d verifies its root and up to n_candidates nodes per depth (fewer where paths share a prefix).
+        # A tree of depth d verifies its root and up to n_candidates nodes per depth (fewer where paths share one).
         widths = [min(n_candidates, _product(top_k[:depth])) for depth in range(1, num_heads + 1)]
         new_tokens = lambda depth: 1 + sum(widths[:depth])  # noqa: E731
     else:

@@ -83,6 +83,10 @@ def test_cost_model_recovers_a_synthetic_cost_curve():
     assert costs.verify_cost(5000, 2) == pytest.approx(0.070)  # from the nearest timed cache length
     assert (costs.draft_cost(0), costs.draft_cost(1), costs.draft_cost(3)) == pytest.approx((0.004, 0.002, 0.002))
     assert CostModel().verify_cost(300, 1) is None
+    # A larger m timed cheaper than a smaller one (a quiet spell) costs at least as much as the smaller one.
+    costs.record_verify(10, 1, 0.2)
+    costs.record_verify(10, 3, 0.1)
+    assert (costs.verify_cost(10, 1), costs.verify_cost(10, 3)) == (0.2, 0.2)
     assert (batch_bucket(1), batch_bucket(5), batch_bucket(8), cache_bucket(100), cache_bucket(600)) == (1, 8, 8, 0, 2)
 
 
@@ -192,3 +196,14 @@ def test_speculative_generate_with_packing_is_identical_and_unpacks(monkeypatch)
     output = verifier.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=speculator)
     assert torch.equal(output, expected) and seen and all(seen)
     assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
+
+
+def test_sampling_stays_exact_while_the_controller_varies_the_depth(clock):
+    """Depths chosen from the confidences of earlier drafts leave the sampled distribution on the verifier's."""
+    from test_sampling import SAMPLES, chi_square_p_value, exact_distribution, sample_counts, sharp_pair
+
+    verifier, speculator = sharp_pair()
+    counts, drafted, accepted = sample_counts(verifier, speculator)
+    steps = speculator.speculation_metrics.steps_by_depth
+    assert 0 < accepted < drafted and sum(1 for n in steps if n) >= 2  # drafts kept and rejected, at several depths
+    assert chi_square_p_value(counts, exact_distribution(verifier), SAMPLES) > 1e-3
