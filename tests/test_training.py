@@ -537,3 +537,27 @@ def test_a_folder_with_checkpoints_but_no_run_record_is_refused(toy, tmp_path):
     with pytest.raises(ValueError, match=r"holds checkpoint-3 from a run that recorded no run\.json.*Train into an "
                                          r"empty folder, or remove them"):  # fmt: skip
         train(toy_args(toy, tmp_path / "run"))
+
+
+def test_timing_a_step_for_the_budget_runs_the_update_and_then_undoes_it(toy, tmp_path, monkeypatch):
+    """The budget's step time includes the optimizer update, and the run then starts from the weights and the
+    optimizer state it would have had without that timing: its first step equals the unbudgeted run's."""
+    updates = []
+    real_step = torch.optim.AdamW.step
+
+    def counted(self, *args, **kwargs):
+        updates.append(1)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    settings = dict(data=None, text_tokens=0, new_tokens=8, eval_new_tokens=8, epochs=0.4, warmup_steps=1)
+    train(toy_args(toy, tmp_path / "plain", **settings))
+    unbudgeted_updates = len(updates)
+    updates.clear()
+    train(toy_args(toy, tmp_path / "budget", max_train_minutes=0.1, **settings))
+    budgeted_updates = len(updates)
+    steps = json.loads((tmp_path / "budget" / "trainer_state.json").read_text())["total_steps"]
+    assert budgeted_updates == steps + 2  # two timed updates, undone, then the run's own
+    assert unbudgeted_updates == json.loads((tmp_path / "plain" / "trainer_state.json").read_text())["total_steps"]
+    first = {run: history(tmp_path / run, "train/loss")[1] for run in ("plain", "budget")}
+    assert first["budget"] == first["plain"]
