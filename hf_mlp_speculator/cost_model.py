@@ -11,6 +11,7 @@ size starts with what the earlier ones measured.
 
 import math
 import statistics
+import weakref
 from collections import defaultdict, deque
 
 import torch
@@ -104,17 +105,19 @@ class CostModel:
         }
 
 
-_COST_MODELS: dict[tuple, CostModel] = {}
+# model -> {(device, dtype, batch bucket, variant): CostModel}. Weakly keyed: a model's timings die with it, and a new
+# model can never inherit those of a freed one that happened to live at the same address.
+_COST_MODELS = weakref.WeakKeyDictionary()
 
 
 def cost_model_for(model, batch_size: int, variant: str = "") -> CostModel:
     """The process's cost model for `model` at this batch size; `variant` separates e.g. packed from plain weights."""
     param = next(model.parameters())
-    key = (type(model).__name__, getattr(model.config, "_name_or_path", ""), id(model), str(param.device),
-           str(param.dtype), batch_bucket(batch_size), variant)  # fmt: skip
-    if key not in _COST_MODELS:
-        _COST_MODELS[key] = CostModel()
-    return _COST_MODELS[key]
+    key = (str(param.device), str(param.dtype), batch_bucket(batch_size), variant)
+    models = _COST_MODELS.setdefault(model, {})
+    if key not in models:
+        models[key] = CostModel()
+    return models[key]
 
 
 def synchronize(device) -> None:

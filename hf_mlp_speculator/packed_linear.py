@@ -30,8 +30,9 @@ logger = logging.get_logger(__name__)
 
 # id(weight) -> (weak reference to the weight, its version, its dtype, packed copy): dropped with the weight.
 _PACKED: dict[int, tuple] = {}
-# (model identity, batch bucket) -> whether packed verification measured faster.
-_PAYS: dict[tuple, bool] = {}
+# model -> {batch bucket: whether packed verification measured faster}; weakly keyed, so that a new model never
+# inherits the verdict of a freed one that lived at the same address.
+_PAYS = weakref.WeakKeyDictionary()
 
 
 class PackedLinear(nn.Linear):
@@ -91,8 +92,9 @@ def packing_pays(model: nn.Module, batch_size: int, max_new_tokens: int, repeats
         return False
     from .cost_model import batch_bucket
 
-    key = (id(model), batch_bucket(batch_size))
-    if key not in _PAYS:
+    verdicts = _PAYS.setdefault(model, {})
+    key = batch_bucket(batch_size)
+    if key not in verdicts:
         vocab = model.config.get_text_config().vocab_size
         generator = torch.Generator().manual_seed(0)
         inputs = [torch.randint(vocab, (batch_size, m), generator=generator) for m in (1, max_new_tokens)]
@@ -109,14 +111,14 @@ def packing_pays(model: nn.Module, batch_size: int, max_new_tokens: int, repeats
                         times[packed].append(time.perf_counter() - start)
         except RuntimeError as error:  # a oneDNN build that refuses this weight: stay on the plain weights
             logger.warning(f"Packed oneDNN weights are unavailable here ({error}); verifying with the plain weights.")
-            _PAYS[key] = False
+            verdicts[key] = False
             return False
-        _PAYS[key] = statistics.median(times[True]) < statistics.median(times[False])
+        verdicts[key] = statistics.median(times[True]) < statistics.median(times[False])
         logger.info(
-            f"Packed weights {'are' if _PAYS[key] else 'are not'} faster at batch {batch_size}: "
+            f"Packed weights {'are' if verdicts[key] else 'are not'} faster at batch {batch_size}: "
             f"{statistics.median(times[True]):.4f} s against {statistics.median(times[False]):.4f} s."
         )
-    return _PAYS[key]
+    return verdicts[key]
 
 
 def pack_linear_weights(model: nn.Module) -> nn.Module:

@@ -207,3 +207,21 @@ def test_sampling_stays_exact_while_the_controller_varies_the_depth(clock):
     steps = speculator.speculation_metrics.steps_by_depth
     assert 0 < accepted < drafted and sum(1 for n in steps if n) >= 2  # drafts kept and rejected, at several depths
     assert chi_square_p_value(counts, exact_distribution(verifier), SAMPLES) > 1e-3
+
+
+def test_measurements_belong_to_their_model_and_die_with_it():
+    """Kept per model object, not per address: CPython reuses a freed model's id, and a new model must not start from
+    its timings or its packing verdict (a stale cost model once made a later test's controller never draft)."""
+    import gc
+
+    from hf_mlp_speculator import cost_model, packed_linear
+
+    verifier = make_verifier()
+    cost_model.cost_model_for(verifier, 1).record_verify(10, 2, 5.0)
+    packing_pays(verifier, 1, 2, repeats=1)
+    assert cost_model.cost_model_for(verifier, 1).summary()["verify_seconds_by_new_tokens"] == {2: 5.0}
+    assert cost_model.cost_model_for(make_verifier(), 1).summary()["verify_seconds_by_new_tokens"] == {}
+    held = len(cost_model._COST_MODELS), len(packed_linear._PAYS)
+    del verifier
+    gc.collect()
+    assert len(cost_model._COST_MODELS) < held[0] and len(packed_linear._PAYS) < held[1]
