@@ -112,17 +112,17 @@ def hybrid_chain(speculator_chain: DraftTree, lookup: list[list[int]], use_looku
     chain's draft distributions follow: the speculator's processed logits, or one-hot (0 / -inf) on a lookup draft.
     """
     tokens, last_tokens = speculator_chain.tokens[:, 1:], speculator_chain.tokens[:, 0]
+    lookup_rows = use_lookup.nonzero().squeeze(1).tolist()
     counts = speculator_chain.depths.amax(dim=1).clone()
-    depth = max([tokens.shape[1]] + [len(c) for c, use in zip(lookup, use_lookup.tolist()) if use])
+    for row in lookup_rows:
+        counts[row] = len(lookup[row])
+    depth = int(counts.max())
     candidates = tokens.new_zeros(len(lookup), 1, depth)
-    candidates[:, 0, : tokens.shape[1]] = tokens
-    for row in use_lookup.nonzero().squeeze(1).tolist():
+    candidates[:, 0, : min(depth, tokens.shape[1])] = tokens[:, :depth]
+    for row in lookup_rows:
         candidates[row, 0] = 0
         candidates[row, 0, : len(lookup[row])] = torch.tensor(lookup[row])
-        counts[row] = len(lookup[row])
     chain = tree_from_candidates(candidates, last_tokens, counts)
-    depth = chain.num_nodes - 1  # a lookup draft shorter than the speculator's chain may have shortened it
-    candidates = candidates[:, :, :depth]
     if speculator_chain.confidences is not None:  # the controller learns the speculator's acceptance from them
         width = min(depth, speculator_chain.confidences.shape[1])
         chain.confidences = speculator_chain.confidences.new_zeros(len(lookup), depth)
@@ -133,7 +133,7 @@ def hybrid_chain(speculator_chain: DraftTree, lookup: list[list[int]], use_looku
         if speculator_chain.draft_logits is not None:
             width = min(depth, tokens.shape[1])
             logits[:, :width] = speculator_chain.draft_logits[:, :width]
-        rows = use_lookup.nonzero().squeeze(1).to(tokens.device)
+        rows = torch.tensor(lookup_rows, dtype=torch.long, device=tokens.device)
         one_hot = torch.full((len(rows), depth, vocab_size), float("-inf"), device=tokens.device)
         logits[rows] = one_hot.scatter(-1, candidates[rows, 0, :, None], 0.0)
         chain.draft_logits = logits

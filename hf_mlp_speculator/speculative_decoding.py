@@ -204,22 +204,21 @@ def generate_speculatively(
         elif planned == 0:  # the speculator's drafts would not pay; prompt lookup's still may
             num_drafts = torch.zeros_like(num_drafts)
         spec_hidden = hidden.to(speculator.device, speculator.dtype)
-        if tree:
-            drafts = draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates)
-        else:
 
-            def speculator_chain(skip=None):
-                limits = num_drafts if skip is None else torch.where(skip.to(num_drafts.device), 0, num_drafts)
-                chain = draft_chain(heads, spec_hidden, last_tokens, limits, process, select, confidence_threshold,
-                                    controller.keep_drafting)  # fmt: skip
-                return _to_device(chain, input_ids.device)
+        def speculator_chain(skip=None):
+            limits = num_drafts if skip is None else torch.where(skip.to(num_drafts.device), 0, num_drafts)
+            chain = draft_chain(heads, spec_hidden, last_tokens, limits, process, select, confidence_threshold,
+                                controller.keep_drafting)  # fmt: skip
+            return _to_device(chain, input_ids.device)
 
         from_lookup = torch.zeros_like(rows, dtype=torch.bool)
-        if hybrid is not None:
+        if tree:
+            drafts = _to_device(draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates),
+                                input_ids.device)  # fmt: skip
+        elif hybrid is not None:
             drafts, from_lookup = hybrid(speculator_chain, sequences, lengths, rows, room)
-        elif not tree:
+        else:
             drafts = speculator_chain()
-        drafts = _to_device(drafts, input_ids.device)
         num_drafts = drafts.depths.amax(dim=1)  # fewer than asked where a chain stopped at an unsure draft
 
         # Verify every row's drafts in one forward.
