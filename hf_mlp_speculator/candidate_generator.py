@@ -56,11 +56,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.num_drafted = 0  # drafts of the round now being verified; 0 during prefill
         self.from_lookup = False  # whether they came from prompt lookup (hybrid drafting)
         self.in_prefill = True
-        self.hybrid = None
-        if generation_config.prompt_lookup_num_tokens:
-            self.hybrid = HybridDrafter(1, generation_config.prompt_lookup_num_tokens,
-                                        generation_config.max_matching_ngram_size, speculator.config.vocab_size,
-                                        self.do_sample)  # fmt: skip
+        self.hybrid = HybridDrafter.for_call(1, generation_config, speculator.config.vocab_size)
         self.confidences = None  # of the drafts now being verified
         self.verify_start = 0.0
         kind = "chain, sampled" if self.do_sample else "chain, greedy"

@@ -57,6 +57,14 @@ class HybridDrafter:
         self.speculator_score = torch.zeros(rows)
         self.pending = None  # the last step's (rows, lookup drafts, speculator drafts, lengths before it)
 
+    @classmethod
+    def for_call(cls, rows: int, generation_config, vocab_size: int) -> "HybridDrafter | None":
+        """The drafter a `generate()` call asks for with `prompt_lookup_num_tokens`, or None."""
+        if not generation_config.prompt_lookup_num_tokens:
+            return None
+        return cls(rows, generation_config.prompt_lookup_num_tokens, generation_config.max_matching_ngram_size,
+                   vocab_size, generation_config.do_sample)  # fmt: skip
+
     def __call__(self, draft_speculator, sequences, lengths, rows, room) -> tuple[DraftTree, torch.BoolTensor]:
         """
         The step's chains for `rows` (original indices) of `sequences[:, :lengths]`, each at most `room[b]` drafts

@@ -83,16 +83,12 @@ def generate_speculatively(
         top_k = list(top_k_tokens_per_head or config.top_k_tokens_per_head)
         n_candidates = n_candidates or config.n_candidates
         _check_tree(top_k, n_candidates, num_heads, generation_config)
-    hybrid = None
-    if generation_config.prompt_lookup_num_tokens:
-        if tree:
-            raise ValueError(
-                "prompt_lookup_num_tokens drafts chains next to the speculator's; it cannot join tree candidates "
-                "(n_candidates / top_k_tokens_per_head). Drop one of the two."
-            )
-        hybrid = HybridDrafter(input_ids.shape[0], generation_config.prompt_lookup_num_tokens,
-                               generation_config.max_matching_ngram_size, config.vocab_size,
-                               generation_config.do_sample)  # fmt: skip
+    hybrid = HybridDrafter.for_call(input_ids.shape[0], generation_config, config.vocab_size)
+    if hybrid is not None and tree:
+        raise ValueError(
+            "prompt_lookup_num_tokens drafts chains next to the speculator's; it cannot join tree candidates "
+            "(n_candidates / top_k_tokens_per_head). Drop one of the two."
+        )
     attention_mask = model_kwargs.get("attention_mask")
     cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes=max(num_heads * (n_candidates or 1), generation_config.prompt_lookup_num_tokens or 0))
     requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name)]
