@@ -72,7 +72,8 @@ def measure(base, tokenizer, speculator_dir: Path, num_prompts: int, new_tokens:
 def run(name: str, minutes: float, overrides: dict, work: Path, base, tokenizer, num_prompts: int) -> dict:
     prompts = write_chat_prompts(tokenizer, TRAIN_PROMPTS, work / "chat_prompts.jsonl")
     validation = write_chat_prompts(tokenizer, VALIDATION_PROMPTS, work / "validation_prompts.jsonl")
-    output_dir = work / name.split(".")[0].replace(" ", "-")
+    # Named by what it trains, so that the curve's point at the ablation's budget is the ablation's default run, reused.
+    output_dir = work / ("-".join([f"{minutes:g}min", *(f"{k}={v}" for k, v in sorted(overrides.items()))]))
     settings = {**SPECULATOR_TRAINING, "max_train_minutes": minutes, **overrides}
     args = SpeculatorTrainingArguments(
         base_model=str(default_base_model()), prompts=[str(prompts)], eval_data=[str(validation)],

@@ -7,7 +7,7 @@ import hf_mlp_speculator.prompt_lookup as prompt_lookup
 from conftest import make_speculator, make_verifier
 from hf_mlp_speculator.drafting import tree_from_candidates
 from hf_mlp_speculator.prompt_lookup import HybridDrafter, lookup_continuations
-from test_sampling import TEMPERATURE, TOP_K, chi_square_p_value, exact_distribution, sharp_pair
+from test_sampling import chi_square_p_value, exact_distribution, sampled_counts, sharp_pair
 
 NEW_TOKENS = 4
 
@@ -118,18 +118,9 @@ SAMPLES = 1200
 
 def hybrid_sample_counts(verifier, speculator, prompt, rows):
     """Continuation counts over SAMPLES sampled rows of `prompt`, `rows` rows per call (1: transformers' loop)."""
-    torch.manual_seed(0)
-    counts, lookup_drafted, lookup_accepted = {}, 0, 0
-    for _ in range(SAMPLES // rows):
-        out = verifier.generate(prompt.repeat(rows, 1), attention_mask=torch.ones(rows, prompt.shape[1]).long(),
-                                max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
-                                top_p=1.0, assistant_model=speculator, prompt_lookup_num_tokens=3,
-                                max_matching_ngram_size=2)  # fmt: skip
-        for tokens in out[:, prompt.shape[1] :].tolist():
-            counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-        lookup_drafted += speculator.speculation_metrics.num_lookup_draft_tokens
-        lookup_accepted += speculator.speculation_metrics.num_lookup_accepted_tokens
-    return counts, lookup_drafted, lookup_accepted
+    (counts,), metrics, _ = sampled_counts(verifier, speculator, prompt, copies=rows, calls=SAMPLES // rows,
+                                           prompt_lookup_num_tokens=3, max_matching_ngram_size=2)  # fmt: skip
+    return counts, metrics.num_lookup_draft_tokens, metrics.num_lookup_accepted_tokens
 
 
 @pytest.fixture(scope="module")

@@ -70,18 +70,29 @@ def chi_square_p_value(counts, probs, samples):
     return torch.special.gammaincc(dof, statistic / 2).item()
 
 
-def sample_counts(verifier, speculator, seed=0):
-    """Counts of each continuation over SAMPLES calls, and the drafted and accepted totals."""
-    torch.manual_seed(seed)
-    counts, drafted, accepted = {}, 0, 0
-    for _ in range(SAMPLES):
-        out = verifier.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE,
-                                top_k=TOP_K, top_p=1.0, assistant_model=speculator)  # fmt: skip
-        key = tuple(out[0, PROMPT.shape[1] :].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        drafted += speculator.speculation_metrics.num_draft_tokens
-        accepted += speculator.speculation_metrics.num_accepted_tokens
-    return counts, drafted, accepted
+def sampled_counts(verifier, speculator, input_ids, attention_mask=None, copies=1, calls=SAMPLES, **generate_kwargs):
+    """Each prompt's continuation counts over `calls` sampled generate() calls of `copies` rows per prompt, with the
+    speculation metrics summed over the calls and every row's own metrics."""
+    torch.manual_seed(0)
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    counts, total, per_row = [{} for _ in input_ids], None, []
+    for _ in range(calls):
+        out = verifier.generate(input_ids.repeat(copies, 1), attention_mask=attention_mask.repeat(copies, 1),
+                                max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                                top_p=1.0, assistant_model=speculator, **generate_kwargs)  # fmt: skip
+        for row, tokens in enumerate(out[:, input_ids.shape[1] :].tolist()):
+            prompt_counts = counts[row % len(input_ids)]
+            prompt_counts[tuple(tokens)] = prompt_counts.get(tuple(tokens), 0) + 1
+        metrics = speculator.speculation_metrics
+        total = metrics if total is None else total + metrics
+        per_row += speculator.speculation_metrics_per_row
+    return counts, total, per_row
+
+
+def sample_counts(verifier, speculator):
+    """Counts of each continuation of PROMPT over SAMPLES calls, and the drafted and accepted totals."""
+    (counts,), metrics, _ = sampled_counts(verifier, speculator, PROMPT)
+    return counts, metrics.num_draft_tokens, metrics.num_accepted_tokens
 
 
 @pytest.fixture(scope="module")
@@ -110,21 +121,13 @@ SHORT_PROMPT = torch.tensor([[2, 1]])
 BATCH_SAMPLES = 4000  # rows are cheap in a batch: a stronger test than the batch-1 one
 
 
-def batched_sample_counts(verifier, speculator, seed=0, copies=1000):
+def batched_sample_counts(verifier, speculator, copies=1000):
     """Each prompt's continuation counts over BATCH_SAMPLES rows, sampled `copies` rows of each prompt per batch."""
-    torch.manual_seed(seed)
     input_ids = torch.cat([PROMPT, torch.cat([torch.zeros(1, 1, dtype=torch.long), SHORT_PROMPT], dim=1)])
     attention_mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
-    counts = [{}, {}]
-    accepted_per_row = []
-    for _ in range(BATCH_SAMPLES // copies):
-        out = verifier.generate(input_ids.repeat(copies, 1), attention_mask=attention_mask.repeat(copies, 1),
-                                max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
-                                top_p=1.0, assistant_model=speculator)  # fmt: skip
-        for row, tokens in enumerate(out[:, 3:].tolist()):
-            counts[row % 2][tuple(tokens)] = counts[row % 2].get(tuple(tokens), 0) + 1
-        accepted_per_row += [m.num_accepted_tokens for m in speculator.speculation_metrics_per_row]
-    return counts, accepted_per_row, speculator.speculation_metrics
+    counts, metrics, per_row = sampled_counts(verifier, speculator, input_ids, attention_mask, copies,
+                                              BATCH_SAMPLES // copies)  # fmt: skip
+    return counts, [m.num_accepted_tokens for m in per_row], metrics
 
 
 @pytest.fixture(scope="module")

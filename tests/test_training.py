@@ -33,7 +33,7 @@ from hf_mlp_speculator.training import (
     train,
 )
 from hf_mlp_speculator.training import loop
-from hf_mlp_speculator.training.loop import Epochs, plan_steps
+from hf_mlp_speculator.training.loop import TIMED_STEPS, Epochs, plan_steps
 from tiny_tokenizer import char_tokenizer
 
 LETTERS = [ord(c) - 31 for c in string.ascii_lowercase]  # the char tokenizer's ids of a..z
@@ -557,7 +557,7 @@ def test_timing_a_step_for_the_budget_runs_the_update_and_then_undoes_it(toy, tm
     train(toy_args(toy, tmp_path / "budget", max_train_minutes=0.1, **settings))
     budgeted_updates = len(updates)
     steps = json.loads((tmp_path / "budget" / "trainer_state.json").read_text())["total_steps"]
-    assert budgeted_updates == steps + 2  # two timed updates, undone, then the run's own
+    assert budgeted_updates == steps + TIMED_STEPS  # the timed updates, undone, then the run's own
     assert unbudgeted_updates == json.loads((tmp_path / "plain" / "trainer_state.json").read_text())["total_steps"]
     first = {run: history(tmp_path / run, "train/loss")[1] for run in ("plain", "budget")}
     assert first["budget"] == first["plain"]

@@ -16,6 +16,7 @@ loss is a token mean over all of them.
 import contextlib
 import copy
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -41,6 +42,8 @@ logger = logging.get_logger(__name__)
 # The share of a time budget the base model's targets may take: measured on the default pair, more data beats more
 # epochs until about here.
 TARGETS_SHARE = 0.7
+# Steps run (and undone) to time one: the first pays one-time costs, the median of the rest counts.
+TIMED_STEPS = 4
 
 
 def lr_multiplier(step: int, total_steps: int, args: SpeculatorTrainingArguments) -> float:
@@ -233,20 +236,21 @@ class OptimizerStep:
 
     def seconds(self) -> float:
         """
-        How long a step takes, to fill a time budget: the faster of two (the first pays one-time costs), the optimizer
-        update included (with the base's vocabulary-wide embeddings it can cost as much as the forward and backward),
-        after which the weights and the optimizer are put back as they were.
+        How long a step takes, to fill a time budget: the median of three after one that pays the one-time costs
+        (on a shared machine a single timing once came out at 1.6x the steps that followed), the optimizer update included (with
+        the base's vocabulary-wide embeddings it costs more than the forward and backward), after which the weights
+        and the optimizer are put back as they were.
         """
         weights = {k: v.clone() for k, v in self.speculator.state_dict().items()}
         optimizer_state = copy.deepcopy(self.optimizer.state_dict())
         times = []
-        for _ in range(2):
+        for _ in range(TIMED_STEPS):
             start = time.perf_counter()
             self(0)
             times.append(time.perf_counter() - start)
         self.speculator.load_state_dict(weights)
         self.optimizer.load_state_dict(optimizer_state)
-        return min(times)
+        return statistics.median(times[1:])
 
 
 def start_or_resume(args, output_dir: Path, optimizer_step: OptimizerStep, epochs: Epochs, budget_left) -> TrainerState:
