@@ -79,12 +79,13 @@ def run(name: str, minutes: float, overrides: dict, work: Path, base, tokenizer,
         base_model=str(default_base_model()), prompts=[str(prompts)], eval_data=[str(validation)],
         output_dir=str(output_dir), resume=(output_dir / "run.json").is_file(), report_to="none", **settings,
     )  # fmt: skip
-    start = time.perf_counter()
+    result = {"name": name, "minutes": minutes, **overrides}
     state_file = output_dir / "trainer_state.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
     if not state or state["step"] < state["total_steps"]:  # a finished run (of the other mode) is measured as it is
+        start = time.perf_counter()
         train(args)
-    result = {"name": name, "minutes": minutes, "wall_seconds": time.perf_counter() - start, **overrides}
+        result["wall_seconds"] = time.perf_counter() - start
     result.update(measure(base, tokenizer, output_dir, num_prompts))
     print(json.dumps(result), flush=True)
     return result

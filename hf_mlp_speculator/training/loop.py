@@ -236,10 +236,10 @@ class OptimizerStep:
 
     def seconds(self) -> float:
         """
-        How long a step takes, to fill a time budget: the median of three after one that pays the one-time costs
-        (on a shared machine a single timing once came out at 1.6x the steps that followed), the optimizer update included (with
-        the base's vocabulary-wide embeddings it costs more than the forward and backward), after which the weights
-        and the optimizer are put back as they were.
+        How long a step takes, to fill a time budget: the median of the timed steps after the first, which pays the
+        one-time costs (on a shared machine a single timing once came out at 1.6x the steps that followed); the
+        optimizer update is included (with the base's vocabulary-wide embeddings it costs more than the forward and
+        backward), and afterwards the weights and the optimizer are put back as they were.
         """
         weights = {k: v.clone() for k, v in self.speculator.state_dict().items()}
         optimizer_state = copy.deepcopy(self.optimizer.state_dict())
