@@ -26,7 +26,9 @@ from transformers.utils import logging
 
 from .training.documents import left_padded
 from .default_models import evaluation_prompts, grounded_prompts
+from .kv_cache import cache_kwargs, output_cache
 from .packed_linear import packed_weights
+from .progress import Progress
 from .timing import WARMUP_TOKENS, GenerationRun, add_model_arguments, encode_prompts, load_pair
 
 logger = logging.get_logger(__name__)
@@ -119,8 +121,6 @@ def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
 
 def run_modes(model, modes: list[Mode], prompts: list[torch.LongTensor], max_new_tokens: int, seed: int):
     """Runs every mode on every prompt, warmed up, mode after mode within each prompt; returns a run per mode."""
-    from tqdm.auto import tqdm
-
     def call(run, mode, index, input_ids, tokens):
         if mode.generate_kwargs["do_sample"]:
             torch.manual_seed(seed + index)  # every sampling mode draws from the same seed on the same prompt
@@ -129,13 +129,12 @@ def run_modes(model, modes: list[Mode], prompts: list[torch.LongTensor], max_new
     for mode in modes:
         call(GenerationRun("warm-up"), mode, 0, prompts[0], min(WARMUP_TOKENS, max_new_tokens))
     runs = {mode.name: GenerationRun(mode.name) for mode in modes}
-    with tqdm(total=len(prompts) * len(modes), desc="Benchmark", unit="call") as bar:
+    with Progress(len(prompts) * len(modes), "Benchmark", "calls") as bar:
         for index, input_ids in enumerate(prompts):
             for mode in modes:
                 run = runs[mode.name]
                 call(run, mode, index, input_ids, max_new_tokens)
-                bar.set_postfix_str(f"{mode.name}: Generation Speed: {run.tokens_per_second:.1f} toks/s")
-                bar.update()
+                bar.update(1, mode=mode.name, speed=f"{run.tokens_per_second:.1f} tok/s")
     return runs
 
 
@@ -245,10 +244,10 @@ def measure_verify_cost(model, speculator, context_length: int = 300, max_k: int
     prefill = model(context, use_cache=True, output_hidden_states=-1)
 
     def forward(new_tokens):
-        return lambda cache: model(new_tokens, cache=cache, use_cache=True, output_hidden_states=-1)
+        return lambda cache: model(new_tokens, use_cache=True, output_hidden_states=-1, **cache_kwargs(model, cache))
 
     def fresh_cache():  # a forward appends to the cache it is given
-        return copy.deepcopy(prefill.cache)
+        return copy.deepcopy(output_cache(prefill))
 
     heads = speculator.speculator
     param = next(speculator.parameters())
@@ -302,12 +301,11 @@ def new_tokens_per_row(sequences: torch.LongTensor, prompt_width: int, eos_token
 @torch.no_grad()
 def run_batch_sizes(model, speculator, prompts, batch_sizes: list[int], max_new_tokens: int, pad_token_id: int):
     """Plain then speculative greedy `generate()` on a batch of the first `size` prompts, for each size."""
-    from tqdm.auto import tqdm
-
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     rows = []
-    for size in tqdm(batch_sizes, desc="Batch sizes", unit="batch"):
+    progress = Progress(len(batch_sizes), "Batch sizes", "batches")
+    for size in batch_sizes:
         input_ids, attention_mask = left_padded(
             [prompts[i % len(prompts)][0].tolist() for i in range(size)], pad_token_id
         )
@@ -331,6 +329,8 @@ def run_batch_sizes(model, speculator, prompts, batch_sizes: list[int], max_new_
             "identical": torch.equal(outputs["plain"], outputs["speculative"]),
         })  # fmt: skip
         rows.append(row)
+        progress.update(1, batch=size, speedup=f"{row['speedup']:.2f}x")
+    progress.close()
     return rows
 
 

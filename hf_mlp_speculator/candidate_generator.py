@@ -45,6 +45,8 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.do_sample = generation_config.do_sample
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
+        eos = generation_config.eos_token_id
+        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         n_predict = speculator.config.n_predict
         self.num_heads = min(n_predict, generation_config.num_assistant_tokens or n_predict)
         # transformers' `assistant_confidence_threshold` (0.4 unless set); see `draft_chain`.
@@ -116,9 +118,15 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             length, rows = torch.tensor([input_ids.shape[1]]), torch.tensor([0])
             chain, from_lookup = self.hybrid(speculator_chain, input_ids, length, rows, torch.tensor([room]))
             self.from_lookup = bool(from_lookup[0])
-        self.num_drafted = chain.num_nodes - 1  # fewer than asked if the chain stopped at an unsure draft
-        self.confidences = chain.confidences
-        candidates = torch.cat([input_ids, chain.tokens[:, 1:]], dim=-1)
+        drafts = chain.tokens[:, 1:]
+        # Nothing after an end-of-sequence draft could be emitted. Ending the chain there also keeps transformers
+        # before 5.18 lossless: its assisted decoding stops at an end-of-sequence token only when it comes last.
+        ends = torch.isin(drafts[0], torch.tensor(self.eos_token_ids, dtype=drafts.dtype, device=drafts.device))
+        if ends.any():
+            drafts = drafts[:, : int(ends.nonzero()[0]) + 1]
+        self.num_drafted = drafts.shape[1]  # fewer than asked if the chain stopped at an unsure draft
+        self.confidences = None if chain.confidences is None else chain.confidences[:, : self.num_drafted]
+        candidates = torch.cat([input_ids, drafts], dim=-1)
         logits = chain.draft_logits if self.do_sample else None
         return self._verify_from_now(candidates, logits[:, : self.num_drafted] if logits is not None else None)
 

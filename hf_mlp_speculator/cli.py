@@ -5,6 +5,9 @@ Each subcommand lives in its own module, which provides `add_arguments(parser)` 
 
 import argparse
 import importlib
+import sys
+
+from transformers.utils import logging
 
 SUBCOMMANDS = {
     "train": ("hf_mlp_speculator.training", "Train an MLPSpeculator for any causal LM (stage 1 + stage 2)."),
@@ -20,6 +23,10 @@ def main(argv=None):
         module = importlib.import_module(module_name)
         module.add_arguments(subparsers.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
+    if not sys.stderr.isatty():
+        # Off a terminal a bar's carriage returns pile up into one endless line; ours print a line now and then
+        # instead (`progress.Progress`), and transformers' own bars (loading weights) are left out.
+        logging.disable_progress_bar()
     return importlib.import_module(SUBCOMMANDS[args.command][0]).run(args)
 
 

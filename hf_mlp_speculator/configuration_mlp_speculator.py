@@ -36,8 +36,9 @@ class MLPSpeculatorConfig(PreTrainedConfig):
         n_predict (`int`, *optional*, defaults to 3):
             Number of heads the speculator was trained with; head `i` predicts the token `i + 1` ahead. Drafting can
             use fewer heads at run time, but the state scaling always follows the trained count.
-        top_k_tokens_per_head (`list[int]`, *optional*, defaults to `[5, 4, 3]`):
-            Branching factor of each head when drafting a candidate tree. One entry per head.
+        top_k_tokens_per_head (`list[int]`, *optional*):
+            Branching factor of each head when drafting a candidate tree. One entry per head. Defaults to the first
+            `n_predict` entries of `[5, 4, 3, 2, 2, ...]`.
         n_candidates (`int`, *optional*, defaults to 5):
             Number of candidate suffixes drawn from the tree.
         tie_weights (`bool`, *optional*, defaults to `False`):
@@ -77,7 +78,7 @@ class MLPSpeculatorConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         if self.top_k_tokens_per_head is None:
-            self.top_k_tokens_per_head = [5, 4, 3]
+            self.top_k_tokens_per_head = ([5, 4, 3] + [2] * self.n_predict)[: self.n_predict]
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):

@@ -23,6 +23,7 @@ from functools import partial
 from types import MethodType
 
 import transformers
+from packaging import version
 from transformers import GenerationMixin, StopStringCriteria
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
@@ -36,15 +37,23 @@ logger = logging.get_logger(__name__)
 
 _STOCK = {name: getattr(GenerationMixin, name) for name in ("generate", "_get_candidate_generator")}
 
-# The transformers releases the test suite passes on (pyproject.toml pins the same range).
-TESTED_TRANSFORMERS = ">=5.24.0,<5.26"
+# The oldest and the newest transformers releases the test suite ran on (.ci/run runs both; pyproject.toml requires the
+# oldest). Later releases are accepted as long as the hooks below are as this package knows them.
+OLDEST_TRANSFORMERS, NEWEST_TESTED_TRANSFORMERS = "5.13.0", "5.25.0"
 
 
 def check_transformers_hooks() -> None:
     """
-    Raises an `ImportError` naming the tested range when one of the private transformers hooks this package relies on
-    is not as in those releases, so that a changed transformers fails at import rather than midway through generate().
+    Raises an `ImportError` naming the supported range when transformers is older than it, or when one of the private
+    hooks this package relies on is not as in the tested releases, so that a changed transformers fails at import
+    rather than midway through generate().
     """
+    supported = f"transformers>={OLDEST_TRANSFORMERS}"
+    if version.parse(transformers.__version__) < version.parse(OLDEST_TRANSFORMERS):
+        raise ImportError(
+            f"hf_mlp_speculator supports {supported}, but transformers {transformers.__version__} is installed. "
+            f"Upgrade it: pip install '{supported}'."
+        )
 
     def parameters(function):
         return list(inspect.signature(function).parameters)
@@ -76,9 +85,9 @@ def check_transformers_hooks() -> None:
     changed = [name for name, (found, expected) in hooks.items() if found != expected]
     if changed:
         raise ImportError(
-            f"hf_mlp_speculator supports transformers{TESTED_TRANSFORMERS}, but transformers "
-            f"{transformers.__version__} changed {'; '.join(changed)}. Install a supported release: "
-            f"pip install 'transformers{TESTED_TRANSFORMERS}'."
+            f"hf_mlp_speculator supports {supported} as far as its private hooks stay as they were, but transformers "
+            f"{transformers.__version__} changed {'; '.join(changed)}. Install a release it was tested on: "
+            f"pip install '{supported},<={NEWEST_TESTED_TRANSFORMERS}'."
         )
 
 

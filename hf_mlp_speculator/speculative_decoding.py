@@ -44,6 +44,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .controller import SpeculationController, acceptance_for
 from .cost_model import cost_model_for, synchronize
 from .drafting import DraftTree, draft_chain, draft_tree
+from .kv_cache import cache_kwargs, pop_prepared_cache
 from .metrics import SpeculationMetrics
 from .prompt_lookup import HybridDrafter
 
@@ -346,8 +347,8 @@ def _at_own_lengths(fn, ids, rows, ends, values=None):
 def _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep):
     takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     kwargs = {"logits_to_keep": logits_to_keep} if takes_logits_to_keep else {}
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                 use_cache=True, output_hidden_states=-1, **kwargs)  # fmt: skip
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                 output_hidden_states=-1, **cache_kwargs(model, cache), **kwargs)  # fmt: skip
 
 
 def _tree_attention_mask(mask, ancestors, dtype):
@@ -387,7 +388,7 @@ def _check_tree(top_k: list[int], n_candidates: int, num_heads: int, generation_
 
 def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes):
     """The dynamic cache `generate()` prepared, after checking that the masked-slot design can use it."""
-    cache = model_kwargs.pop("cache", None)
+    cache = pop_prepared_cache(model_kwargs)
     for name in ("attention_mask", "position_ids", "use_cache", "logits_to_keep"):
         model_kwargs.pop(name, None)
     if model_kwargs:

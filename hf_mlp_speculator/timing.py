@@ -15,6 +15,7 @@ from transformers.utils import logging
 
 from .metrics import SpeculationMetrics
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from .progress import Progress
 
 
 logger = logging.get_logger(__name__)
@@ -97,8 +98,8 @@ def token_latencies(start: float, chunk_times: list[float], chunk_sizes: list[in
 
 class TokenCounter(BaseStreamer):
     """
-    Records when each verifier forward emitted how many tokens. Given a tqdm `bar`, advances it by tokens and shows
-    the speed of the run so far, `tokens_before` tokens in `seconds_before` seconds having come before this call.
+    Records when each verifier forward emitted how many tokens. Given a `Progress` bar, advances it by tokens and
+    shows the speed of the run so far, `tokens_before` tokens in `seconds_before` seconds having come before this call.
     """
 
     def __init__(self, bar=None, tokens_before: int = 0, seconds_before: float = 0.0):
@@ -117,8 +118,7 @@ class TokenCounter(BaseStreamer):
         if self.bar is not None:
             tokens = self.tokens_before + sum(self.sizes)
             seconds = self.seconds_before + self.times[-1] - self.start
-            self.bar.set_postfix_str(f"Generation Speed: {tokens / max(seconds, 1e-9):.1f} toks/s", refresh=False)
-            self.bar.update(value.numel())
+            self.bar.update(value.numel(), speed=f"{tokens / max(seconds, 1e-9):.1f} tok/s")
 
     def end(self) -> None:
         pass
@@ -136,7 +136,7 @@ class GenerationRun:
     metrics: list[SpeculationMetrics] = field(default_factory=list)
 
     def generate(self, model, input_ids: torch.LongTensor, bar=None, **generate_kwargs) -> list[int]:
-        """Runs and times one `generate()` call; `bar`, a tqdm bar, advances by tokens and shows the run's speed."""
+        """Runs and times one `generate()` call; `bar`, a `Progress`, advances by tokens and shows the run's speed."""
         counter = TokenCounter(bar, self.num_tokens, self.seconds)
         start = counter.start
         sequences = model.generate(
@@ -173,8 +173,6 @@ class GenerationRun:
         return sum(self.metrics, SpeculationMetrics()) if self.metrics else None
 
 
-def token_bar(description: str):
-    """A tqdm bar that counts generated tokens and shows the speed in its postfix."""
-    from tqdm.auto import tqdm
-
-    return tqdm(desc=description, unit="tok", bar_format="{desc}: {n_fmt} tokens [{elapsed}{postfix}]")
+def token_bar(description: str) -> Progress:
+    """Progress that counts generated tokens and shows their speed (a bar on a terminal, a line now and then off it)."""
+    return Progress(None, description, "tokens")

@@ -1,11 +1,13 @@
 """The explicit, non-patching ways: enable_mlp_speculator(model) and the mixin."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import make_oracle, make_prompt, make_verifier
 from transformers import GenerationMixin, LlamaForCausalLM
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -66,9 +68,17 @@ def test_a_changed_transformers_hook_fails_at_import():
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ImportError: hf_mlp_speculator supports transformers>=5.24.0,<5.26, but transformers")
+    assert last_line.startswith("ImportError: hf_mlp_speculator supports transformers>=5.13.0 as far as its private "
+                                "hooks stay as they were, but transformers")  # fmt: skip
     assert "changed GenerationMixin._get_candidate_generator" in last_line
-    assert last_line.endswith("pip install 'transformers>=5.24.0,<5.26'.")
+    assert last_line.endswith("Install a release it was tested on: pip install 'transformers>=5.13.0,<=5.25.0'.")
+
+
+def test_a_transformers_older_than_the_range_fails_at_import(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "5.12.0")
+    message = "hf_mlp_speculator supports transformers>=5.13.0, but transformers 5.12.0 is installed. Upgrade it: "
+    with pytest.raises(ImportError, match=re.escape(message + "pip install 'transformers>=5.13.0'.")):
+        check_transformers_hooks()
 
 
 @pytest.mark.parametrize(
@@ -86,5 +96,5 @@ def test_each_private_hook_is_checked(monkeypatch, owner, name, replacement, nam
         monkeypatch.delattr(owner, name)
     else:
         monkeypatch.setattr(owner, name, replacement)
-    with pytest.raises(ImportError, match=rf"supports transformers>=5.24.0,<5.26, but .* changed {named}"):
+    with pytest.raises(ImportError, match=rf"supports transformers>=5.13.0 as far .* changed {named}"):
         check_transformers_hooks()

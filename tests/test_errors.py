@@ -36,6 +36,14 @@ def test_config_defaults_and_alias():
     assert MLPSpeculatorConfig(hidden_size=768, inner_dim=1024).emb_dim == 768
 
 
+@pytest.mark.parametrize("n_predict,top_k", [(1, [5]), (2, [5, 4]), (4, [5, 4, 3, 2]), (6, [5, 4, 3, 2, 2, 2])])
+def test_default_branching_follows_n_predict(n_predict, top_k):
+    config = MLPSpeculatorConfig(n_predict=n_predict)
+    assert config.top_k_tokens_per_head == top_k
+    # and survives a save and load as it is
+    assert MLPSpeculatorConfig.from_dict(config.to_dict()).top_k_tokens_per_head == top_k
+
+
 def test_hidden_size_mismatch_names_both_numbers():
     speculator = make_speculator()
     speculator.config.emb_dim = 32

@@ -1,5 +1,7 @@
 """Greedy speculative decoding is token-identical to plain greedy decoding."""
 
+import re
+
 import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_prompt, make_speculator, make_verifier
@@ -70,9 +72,16 @@ def test_eos_inside_an_accepted_draft():
 
 
 def test_static_cache():
+    """As in transformers' own assisted decoding: identical output, or its refusal on the releases that refuse."""
     verifier, prompt = make_verifier(), make_prompt()
     speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 0)
     expected = greedy(verifier, prompt, max_new_tokens=20, cache_implementation="static")
+    try:  # transformers' own assisted decoding, with drafts from prompt lookup
+        greedy(verifier, prompt, max_new_tokens=20, cache_implementation="static", prompt_lookup_num_tokens=2)
+    except ValueError as refusal:
+        with pytest.raises(ValueError, match=re.escape(str(refusal))):
+            greedy(verifier, prompt, max_new_tokens=20, cache_implementation="static", assistant_model=speculator)
+        return
     output = greedy(verifier, prompt, max_new_tokens=20, cache_implementation="static", assistant_model=speculator)
     assert torch.equal(output, expected)
     assert speculator.speculation_metrics.num_accepted_tokens > 0

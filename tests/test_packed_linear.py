@@ -1,10 +1,16 @@
-"""Packed oneDNN linears compute what nn.Linear computes, and speculative greedy output stays identical."""
+"""Packed oneDNN linears compute what nn.Linear computes, speculative greedy output stays identical, and a torch whose
+private ops are missing, fail or compute wrongly decodes on the plain weights."""
 
+import logging
+from types import SimpleNamespace
+
+import pytest
 import torch
 from conftest import HIDDEN, VOCAB, make_oracle, make_prompt, make_speculator, make_verifier
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_mlp_speculator import generation, packed_linear
 from hf_mlp_speculator.packed_linear import PackedLinear, pack_linear_weights, unpack_linear_weights
 
 
@@ -61,3 +67,56 @@ def test_speculative_greedy_equality_with_packed_verifier_and_speculator():
     real = pack_linear_weights(make_speculator())
     output = verifier.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=real)
     assert torch.equal(output, expected)
+
+
+REAL_OPS = packed_linear.OPS
+
+
+def raising(*args):
+    raise RuntimeError("oneDNN refuses this weight")
+
+
+def off_by_a_thousandth(*args):
+    return REAL_OPS._linear_pointwise(*args) * 1.001
+
+
+@pytest.mark.parametrize(
+    "ops,logged",
+    [
+        (None, "has no oneDNN packed-linear ops"),
+        (SimpleNamespace(_reorder_linear_weight=raising, _linear_pointwise=raising), "failed here (RuntimeError"),
+        (SimpleNamespace(_reorder_linear_weight=REAL_OPS._reorder_linear_weight, _linear_pointwise=raising),
+         "failed here (RuntimeError: oneDNN refuses this weight)"),
+        (SimpleNamespace(_reorder_linear_weight=REAL_OPS._reorder_linear_weight,
+                         _linear_pointwise=off_by_a_thousandth), "disagree with the plain ones"),
+    ],
+    ids=["op missing", "packing raises", "op raises", "op wrong"],
+)  # fmt: skip
+def test_a_missing_failing_or_wrong_op_falls_back_to_plain_weights(monkeypatch, caplog, ops, logged):
+    """Whatever a torch release does to the private ops, speculative generate() decodes on the plain weights."""
+    monkeypatch.setattr(packed_linear, "OPS", ops)
+    monkeypatch.setattr(generation, "packing_pays", packed_linear.packing_pays)  # conftest turns the probe off
+    verifier, prompt = make_verifier(), make_prompt()
+    speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 2)
+    expected = verifier.generate(prompt, max_new_tokens=20, do_sample=False)
+    forwards = []  # the class of lm_head in each decoding forward (the probe's run without a cache)
+
+    def record(module, args, kwargs, output):
+        if kwargs.get("use_cache"):
+            forwards.append(type(module.lm_head).__name__)
+
+    verifier.register_forward_hook(record, with_kwargs=True)
+    with caplog.at_level(logging.INFO, logger="hf_mlp_speculator"):
+        output = verifier.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=speculator)
+    assert torch.equal(output, expected)
+    assert speculator.speculation_metrics.num_accepted_tokens > 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "hf_mlp_speculator.packed_linear"]
+    assert len(lines) == 1 and logged in lines[0] and "decoding on the plain weights" in lines[0], lines
+    assert set(forwards) == {"Linear"}  # no decoding forward ran on a packed weight
+    assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
+
+
+def test_the_probe_accepts_the_real_op():
+    verifier = make_verifier()
+    assert packed_linear.packed_matches_plain(verifier)
+    assert not packed_linear.packed_matches_plain(make_verifier().to(torch.bfloat16))  # not a model for packing

@@ -28,12 +28,12 @@ from transformers.utils import logging
 
 from ..configuration_mlp_speculator import MLPSpeculatorConfig
 from ..modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
-from ..packed_linear import pack_linear_weights
+from ..packed_linear import pack_linear_weights, packed_matches_plain
 from .arguments import SpeculatorTrainingArguments
 from .checkpoints import TrainerState, claim_output_dir, latest_checkpoint, load_checkpoint, save_checkpoint, save_final
 from .initialization import initialize_from_base
 from .losses import acceptance_counts, draft_index, token_losses
-from .progress import Progress
+from ..progress import Progress
 from .targets import Targets
 from .training_data import build_training_data
 
@@ -64,7 +64,7 @@ def load_base(args: SpeculatorTrainingArguments, device):
             f"{args.base_model} is an encoder-decoder model; an MLPSpeculator drafts for decoder-only (causal) LMs."
         )
     base.requires_grad_(False).eval().to(device)
-    if base.device.type == "cpu" and base.dtype == torch.float32:
+    if packed_matches_plain(base):
         # The base only runs forward: oneDNN-packed weights make its batched decoding faster on CPU.
         pack_linear_weights(base)
     if getattr(base.config.get_text_config(), "hidden_size", None) is None:

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
+from ..kv_cache import cache_kwargs
 from .documents import left_padded
 from .losses import IGNORE_INDEX, Batch
 
@@ -153,7 +154,7 @@ def continue_prompts(
     input_ids, mask = left_padded(prompts, pad_token_id, device)
     cache = DynamicCache(config=base.config)
     output = base(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                  cache=cache, use_cache=True, output_hidden_states=-1, logits_to_keep=1)  # fmt: skip
+                  use_cache=True, output_hidden_states=-1, logits_to_keep=1, **cache_kwargs(base, cache))  # fmt: skip
     positions = mask.sum(-1)
     rows = torch.arange(len(prompts), device=device)  # the prompt of each row still generating
     states, tokens, ids, logprobs = ([[] for _ in prompts] for _ in range(4))
@@ -174,8 +175,8 @@ def continue_prompts(
             cache.batch_select_indices(going.nonzero().squeeze(1))
             rows, mask, positions, token = rows[going], mask[going], positions[going], token[going]
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        output = base(input_ids=token[:, None], attention_mask=mask, position_ids=positions[:, None], cache=cache,
-                      use_cache=True, output_hidden_states=-1)  # fmt: skip
+        output = base(input_ids=token[:, None], attention_mask=mask, position_ids=positions[:, None], use_cache=True,
+                      output_hidden_states=-1, **cache_kwargs(base, cache))  # fmt: skip
         positions = positions + 1
     return Targets.from_sequences(*([torch.stack(row).cpu() for row in kept] for kept in (states, tokens, ids, logprobs)))
 

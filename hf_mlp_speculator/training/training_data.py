@@ -20,7 +20,7 @@ from transformers.utils import logging
 
 from ..default_models import cache_dir, evaluation_prompts
 from .documents import Corpus
-from .progress import Progress
+from ..progress import Progress
 from .prompts import keep_new, normalized, render_chat_prompt, synthesize_user_turns
 from .targets import TargetCache, Targets, continue_prompts, end_of_sequence_ids, fingerprint, teacher_force
 

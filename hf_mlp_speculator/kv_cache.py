@@ -1,0 +1,22 @@
+"""The KV cache under both of its names: recent transformers releases pass it as `cache`, older 5.x ones as
+`past_key_values` (in model forwards, in their outputs and in the `model_kwargs` that `generate()` prepares)."""
+
+import inspect
+
+
+def cache_kwargs(model, cache) -> dict:
+    """`cache` as a keyword argument of `model`'s forward, under the name that forward takes it by."""
+    takes_cache = "cache" in inspect.signature(model.forward).parameters
+    return {"cache" if takes_cache else "past_key_values": cache}
+
+
+def output_cache(outputs):
+    """The cache a forward returned."""
+    cache = getattr(outputs, "cache", None)
+    return cache if cache is not None else outputs.past_key_values
+
+
+def pop_prepared_cache(model_kwargs: dict):
+    """Removes the cache that `generate()` prepared from `model_kwargs` and returns it (None if there is none)."""
+    cache, legacy = model_kwargs.pop("cache", None), model_kwargs.pop("past_key_values", None)
+    return cache if cache is not None else legacy
