@@ -24,12 +24,20 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from .training.documents import left_padded
+from .training.documents import iter_documents, left_padded
 from .default_models import evaluation_prompts, grounded_prompts
 from .kv_cache import cache_kwargs, output_cache
 from .packed_linear import packed_weights
 from .progress import Progress
-from .timing import WARMUP_TOKENS, GenerationRun, add_model_arguments, encode_prompts, load_pair
+from .timing import (
+    WARMUP_TOKENS,
+    GenerationRun,
+    add_model_arguments,
+    encode_prompts,
+    load_pair,
+    positive_int,
+    positive_ints,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -38,7 +46,7 @@ def add_arguments(parser) -> None:
     add_model_arguments(parser)
     parser.add_argument(
         "--prompt-lookup-num-tokens",
-        type=int,
+        type=positive_int,
         default=10,
         help="Draft length of prompt lookup (default: %(default)s).",
     )
@@ -48,6 +56,11 @@ def add_arguments(parser) -> None:
         default="chat",
         help="The held-out chat prompts, or requests that edit, convert or answer from a text they give (default: "
         "%(default)s).",
+    )
+    parser.add_argument(
+        "--prompts",
+        help="Your own prompts instead: a .txt file (prompts separated by blank lines) or a .jsonl file (a 'text' "
+        "field, or chat 'messages'), read as `train` reads them.",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="Seed of the sampling modes (one per prompt) (default: %(default)s)."
@@ -62,16 +75,16 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--context-length",
-        type=int,
+        type=positive_int,
         default=300,
         help="Cache length of the --verify-cost forwards (default: %(default)s).",
     )
     parser.add_argument(
-        "--repeats", type=int, default=20, help="Timed repeats per --verify-cost measurement (default: %(default)s)."
+        "--repeats", type=positive_int, default=20, help="Timed repeats per --verify-cost measurement (default: %(default)s)."
     )
     parser.add_argument(
         "--batch-sizes",
-        type=lambda text: [int(size) for size in text.split(",")],
+        type=positive_ints,
         help="Only compare plain and speculative greedy decoding on batches of these sizes, e.g. 1,4,16,32 "
         "(writes bench_batch.json and bench_batch.md).",
     )
@@ -358,6 +371,7 @@ def environment(args, model, speculator) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "num_prompts": args.num_prompts,
         "prompt_set": getattr(args, "prompt_set", "chat"),
+        "prompts": getattr(args, "prompts", None),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
@@ -373,9 +387,18 @@ def write_results(output_dir: Path, name: str, environment: dict, rows: list[dic
     return [f"{name}.json", f"{name}.md"]
 
 
+def prompt_texts(args, tokenizer) -> list[str]:
+    """The prompts a run uses: the user's file, or one of the held-out sets."""
+    if args.prompts:
+        return list(iter_documents(args.prompts, tokenizer))
+    return grounded_prompts() if args.prompt_set == "grounded" else evaluation_prompts()
+
+
 def run(args) -> int:
-    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype)
     output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"--output-dir {output_dir} is a file, not a folder: name a folder for the results.")
+    model, tokenizer, speculator = load_pair(args.model, args.speculator, args.dtype)
     output_dir.mkdir(parents=True, exist_ok=True)
     if args.verify_cost:
         max_k = max(4, speculator.config.n_predict)
@@ -392,7 +415,7 @@ def run(args) -> int:
         return 0
 
     if args.batch_sizes:
-        prompts = encode_prompts(tokenizer, evaluation_prompts())
+        prompts = encode_prompts(tokenizer, prompt_texts(args, tokenizer))
         # Padding is masked out, so any id will do where the tokenizer names none.
         pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
         rows = run_batch_sizes(model, speculator, prompts, args.batch_sizes, args.max_new_tokens, pad)
@@ -401,8 +424,7 @@ def run(args) -> int:
         print(f"Wrote {', '.join(written)} to {output_dir}")
         return 0
 
-    texts = grounded_prompts() if args.prompt_set == "grounded" else evaluation_prompts()
-    prompts = encode_prompts(tokenizer, texts[: args.num_prompts])
+    prompts = encode_prompts(tokenizer, prompt_texts(args, tokenizer)[: args.num_prompts])
     modes = benchmark_modes(speculator, args.prompt_lookup_num_tokens)
     rows = summarize(modes, run_modes(model, modes, prompts, args.max_new_tokens, args.seed))
     written = write_results(output_dir, "bench", environment(args, model, speculator), rows, markdown_table(rows))

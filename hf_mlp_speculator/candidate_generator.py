@@ -60,6 +60,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.in_prefill = True
         self.hybrid = HybridDrafter.for_call(1, generation_config, speculator.config.vocab_size)
         self.confidences = None  # of the drafts now being verified
+        self.nonfinite = False  # whether their drafting stopped at non-finite speculator logits
         self.verify_start = 0.0
         kind = "chain, sampled" if self.do_sample else "chain, greedy"
         self.controller = SpeculationController(
@@ -95,7 +96,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         if self.controller.start_step(input_ids.shape[1] - 1, rows=1) == 0:
             self.num_drafted = 0  # the speculator's drafts would not pay; prompt lookup's still may
         if room == 0 or (self.num_drafted == 0 and self.hybrid is None):
-            self.confidences = None
+            self.confidences, self.nonfinite = None, False
             return self._verify_from_now(input_ids, None)
 
         def process(scores, drafts):
@@ -126,8 +127,9 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             drafts = drafts[:, : int(ends.nonzero()[0]) + 1]
         self.num_drafted = drafts.shape[1]  # fewer than asked if the chain stopped at an unsure draft
         self.confidences = None if chain.confidences is None else chain.confidences[:, : self.num_drafted]
+        self.nonfinite = chain.nonfinite is not None and bool(chain.nonfinite[0])
         candidates = torch.cat([input_ids, drafts], dim=-1)
-        logits = chain.draft_logits if self.do_sample else None
+        logits = chain.draft_logits if self.do_sample and self.num_drafted else None  # none: a plain step
         return self._verify_from_now(candidates, logits[:, : self.num_drafted] if logits is not None else None)
 
     def _verify_from_now(self, candidates, logits):
@@ -147,10 +149,10 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             return
         synchronize(input_ids.device)
         if self.from_lookup:  # the controller sizes the speculator's chains: lookup steps are not its to learn from
-            self.metrics.record_step(self.num_drafted, int(num_matches), from_lookup=True)
+            self.metrics.record_step(self.num_drafted, int(num_matches), from_lookup=True, nonfinite=self.nonfinite)
             return
         self.controller.end_step(self.num_drafted, time.perf_counter() - self.verify_start)
         if self.num_drafted:
             self.controller.acceptance.record(self.confidences, [self.num_drafted], [int(num_matches)])
-        self.metrics.record_step(self.num_drafted, int(num_matches))
+        self.metrics.record_step(self.num_drafted, int(num_matches), nonfinite=self.nonfinite)
         self.controller.report_to(self.metrics)

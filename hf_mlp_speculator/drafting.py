@@ -24,6 +24,8 @@ class DraftTree:
             processed logits each draft was drawn from.
         confidences (`torch.FloatTensor` of shape `(rows, nodes - 1)`, *optional*): for a chain, the probability the
             speculator gave each draft.
+        nonfinite (`torch.BoolTensor` of shape `(rows,)`, *optional*): rows whose drafts ended early because a head
+            gave non-finite logits (see `finite_logits`).
     """
 
     tokens: torch.LongTensor
@@ -32,6 +34,7 @@ class DraftTree:
     valid: torch.BoolTensor
     draft_logits: torch.FloatTensor | None = None
     confidences: torch.FloatTensor | None = None
+    nonfinite: torch.BoolTensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -58,6 +61,19 @@ class DraftTree:
         return paths
 
 
+def finite_logits(logits: torch.FloatTensor, num_drafts, head: int, nonfinite):
+    """
+    A diverged or overflowing speculator (NaN weights, an fp16 head past 65504) gives non-finite logits; a row whose
+    head `head` did drafts nothing from that head on: its chain ends before it, and the verifier takes a plain step
+    there. Returns the logits with zeros in those rows (so that sampling them still works; the draft is dropped), the
+    new per-row limits, and `nonfinite` updated. No host synchronisation.
+    """
+    broken = ~torch.isfinite(logits).all(dim=-1)
+    return logits.masked_fill(broken[:, None], 0.0), torch.where(broken, num_drafts.clamp(max=head), num_drafts), (
+        nonfinite | broken
+    )
+
+
 def draft_chain(
     heads: MLPSpeculator, hidden, last_tokens, num_drafts, process, select, confidence_threshold: float = 0.0,
     keep_drafting=None,
@@ -76,10 +92,12 @@ def draft_chain(
     state = heads.input_state(hidden)
     token = last_tokens
     drafts, draft_logits, confidences = [], [], []
+    nonfinite = torch.zeros_like(num_drafts, dtype=torch.bool)
     head = 0
     while head < int(num_drafts.max()):
         state, logits = heads.step(head, state, token.to(state.device))
-        scores = process(logits.to(device=device, dtype=torch.float32), torch.stack(drafts, dim=1) if drafts else None)
+        logits, num_drafts, nonfinite = finite_logits(logits.to(device, torch.float32), num_drafts, head, nonfinite)
+        scores = process(logits, torch.stack(drafts, dim=1) if drafts else None)
         token = select(scores)
         drafts.append(token)
         draft_logits.append(scores)
@@ -94,6 +112,7 @@ def draft_chain(
     tree = tree_from_candidates(candidates, last_tokens, num_drafts)
     tree.draft_logits = torch.stack(draft_logits, dim=1) if draft_logits else None
     tree.confidences = torch.stack(confidences, dim=1) if confidences else None
+    tree.nonfinite = nonfinite
     return tree
 
 
@@ -109,16 +128,21 @@ def draft_tree(
     token = last_tokens[:, None].to(state.device)
     scores = torch.zeros(rows, 1, device=state.device)
     paths = token.new_zeros(rows, 1, 0)
+    limits, nonfinite = num_drafts.to(state.device), torch.zeros(rows, dtype=torch.bool, device=state.device)
     for head in range(int(num_drafts.max())):
         state, logits = heads.step(head, state, token)
-        best = logits.float().log_softmax(dim=-1).topk(top_k[head], dim=-1)
+        broken = ~torch.isfinite(logits).flatten(1).all(dim=-1)
+        limits, nonfinite = torch.where(broken, limits.clamp(max=head), limits), nonfinite | broken
+        best = logits.float().nan_to_num().log_softmax(dim=-1).topk(top_k[head], dim=-1)
         scores = (scores[..., None] + best.values).flatten(1)
         token = best.indices.flatten(1)
         paths = torch.cat([paths.repeat_interleave(top_k[head], dim=1), token[..., None]], dim=-1)
         state = state.repeat_interleave(top_k[head], dim=1)
     chosen = scores.topk(min(n_candidates, scores.shape[1]), dim=-1).indices
     candidates = paths.gather(1, chosen[..., None].expand(-1, -1, paths.shape[-1]))
-    return tree_from_candidates(candidates, last_tokens, num_drafts)
+    tree = tree_from_candidates(candidates, last_tokens, limits.to(num_drafts.device))
+    tree.nonfinite = nonfinite.to(num_drafts.device)
+    return tree
 
 
 def tree_from_candidates(candidates: torch.LongTensor, last_tokens, num_drafts) -> DraftTree:

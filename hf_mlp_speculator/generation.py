@@ -94,10 +94,10 @@ def check_transformers_hooks() -> None:
 check_transformers_hooks()
 
 
-def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, generation_config) -> None:
+def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, generation_config, tree: dict) -> None:
     """
     Raises a `ValueError` naming the problem and its fix when `speculator` cannot draft for `model` under
-    `generation_config`, the call's merged generation config.
+    `generation_config`, the call's merged generation config, and the `tree` options of the call.
     """
     if model.config.is_encoder_decoder:
         raise ValueError(
@@ -146,6 +146,28 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
             f"num_assistant_tokens heads, so it must be between 1 and n_predict={spec_config.n_predict} (larger "
             "values mean all heads). To decode without speculation, drop assistant_model."
         )
+    lookup = generation_config.prompt_lookup_num_tokens
+    if lookup is not None and (not _is_int(lookup) or lookup < 1):
+        raise ValueError(
+            f"prompt_lookup_num_tokens={lookup!r}: prompt lookup drafts that many tokens per step, so it must be a "
+            "positive integer (transformers refuses the same). Drop it to draft with the speculator alone."
+        )
+    n_candidates = tree.get("n_candidates")
+    if n_candidates is not None and (not _is_int(n_candidates) or n_candidates < 1):
+        raise ValueError(
+            f"n_candidates={n_candidates!r}: a tree keeps that many candidate paths, so it must be a positive "
+            f"integer (the speculator's own is {spec_config.n_candidates})."
+        )
+    top_k = tree.get("top_k_tokens_per_head")
+    if top_k is not None and (not isinstance(top_k, (list, tuple)) or not all(_is_int(k) and k > 0 for k in top_k)):
+        raise ValueError(
+            f"top_k_tokens_per_head={top_k!r}: give a list of positive integers, one branching factor per head "
+            f"(the speculator's own is {spec_config.top_k_tokens_per_head})."
+        )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def confidence_threshold(speculator, generation_config, kwargs) -> float:
@@ -175,11 +197,11 @@ class MLPSpeculatorGenerationMixin:
         options = dict(kwargs)
         generation_config = args[1] if len(args) > 1 else options.pop("generation_config", None)
         merged = self._prepare_generation_config(generation_config, **options)[0]
-        check_speculator_fits(self, speculator, merged)
+        tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
+        check_speculator_fits(self, speculator, merged, tree)
         kwargs["assistant_confidence_threshold"] = confidence_threshold(speculator, generation_config, kwargs)
         # Never leave a previous call's figures behind.
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
-        tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         rows = (1 if inputs is None else inputs.shape[0]) * (merged.num_return_sequences or 1)
         if tree or rows > 1:
@@ -198,8 +220,15 @@ class MLPSpeculatorGenerationMixin:
         num_heads = min(speculator.config.n_predict, merged.num_assistant_tokens or speculator.config.n_predict)
         with packed_weights(self, packing_pays(self, rows, num_heads + 1)):
             output = _STOCK["generate"](self, *args, **kwargs)
-        if speculator.speculation_metrics is not None:
-            logger.info(speculator.speculation_metrics)
+        metrics = speculator.speculation_metrics
+        if metrics is not None:
+            logger.info(metrics)
+            if metrics.num_nonfinite_steps:
+                logger.warning(
+                    f"The speculator's logits were not finite (NaN or inf) in {metrics.num_nonfinite_steps} of "
+                    f"{metrics.num_steps} steps, which then drafted less (output is unaffected). Its weights may have "
+                    "diverged in training, or overflow in float16: check them, or load it in bfloat16 or float32."
+                )
         return output
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

@@ -30,6 +30,8 @@ class SpeculationMetrics:
     # Of the drafts above, those that prompt lookup proposed (hybrid drafting); the rest are the speculator's.
     num_lookup_draft_tokens: int = 0
     num_lookup_accepted_tokens: int = 0
+    # Steps in which the speculator's logits were not finite (NaN or inf), so that drafting stopped early.
+    num_nonfinite_steps: int = 0
     # The configured lookahead k: min(n_predict, num_assistant_tokens).
     num_speculative_tokens: int = 0
     steps_by_depth: list[int] = field(default_factory=list)
@@ -37,12 +39,14 @@ class SpeculationMetrics:
     draft_runs_by_head: list[int] = field(default_factory=list)
     draft_seconds_by_head: list[float] = field(default_factory=list)
 
-    def record_step(self, num_drafted: int, num_accepted: int, from_lookup: bool = False) -> None:
+    def record_step(self, num_drafted: int, num_accepted: int, from_lookup: bool = False, nonfinite: bool = False):
         """
         Counts one verifier step that checked `num_drafted` drafts and accepted the first `num_accepted`; the drafts
-        came from prompt lookup when `from_lookup`. Per-head counts are the speculator's heads only.
+        came from prompt lookup when `from_lookup`; drafting stopped at non-finite speculator logits when `nonfinite`.
+        Per-head counts are the speculator's heads only.
         """
         self.num_steps += 1
+        self.num_nonfinite_steps += int(nonfinite)
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_accepted + 1
@@ -87,6 +91,7 @@ class SpeculationMetrics:
             ],
             num_lookup_draft_tokens=self.num_lookup_draft_tokens + other.num_lookup_draft_tokens,
             num_lookup_accepted_tokens=self.num_lookup_accepted_tokens + other.num_lookup_accepted_tokens,
+            num_nonfinite_steps=self.num_nonfinite_steps + other.num_nonfinite_steps,
         )
 
     @property

@@ -145,4 +145,5 @@ def hybrid_chain(speculator_chain: DraftTree, lookup: list[list[int]], use_looku
         one_hot = torch.full((len(rows), depth, vocab_size), float("-inf"), device=tokens.device)
         logits[rows] = one_hot.scatter(-1, candidates[rows, 0, :, None], 0.0)
         chain.draft_logits = logits
+    chain.nonfinite = speculator_chain.nonfinite
     return chain

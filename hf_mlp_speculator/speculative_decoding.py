@@ -91,7 +91,8 @@ def generate_speculatively(
             "(n_candidates / top_k_tokens_per_head). Drop one of the two."
         )
     attention_mask = model_kwargs.get("attention_mask")
-    cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes=max(num_heads * (n_candidates or 1), generation_config.prompt_lookup_num_tokens or 0))
+    num_nodes = max(num_heads * (n_candidates or 1), generation_config.prompt_lookup_num_tokens or 0)
+    cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes)
     requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name)]
     if requested:
         raise ValueError(
@@ -105,7 +106,9 @@ def generate_speculatively(
     pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
     if pad is None:  # plain generate() pads with the first EOS id then
         pad = eos[0] if isinstance(eos, list) else eos
-    sequences = input_ids.new_full((batch, generation_config.max_length), 0 if pad is None else int(pad))
+    # int64 whatever the prompt's integer type, as the tokens plain generate() appends are
+    sequences = torch.full((batch, generation_config.max_length), 0 if pad is None else int(pad), dtype=torch.long,
+                           device=input_ids.device)  # fmt: skip
     sequences[:, :prompt_length] = input_ids
     lengths = torch.full((batch,), prompt_length, device=input_ids.device)
     rows = torch.arange(batch, device=input_ids.device)  # the original row of each row still generating
@@ -255,9 +258,10 @@ def generate_speculatively(
         if confidences is not None:  # the speculator's rows only: the controller sizes its chains
             own = ~from_lookup
             controller.acceptance.record(confidences[own], num_drafts[own].tolist(), accepted[own].tolist())
-        for row, drafted, emitted, lookup in zip(rows.tolist(), num_drafts.tolist(), kept.tolist(),
-                                                 from_lookup.tolist()):  # fmt: skip
-            metrics[row].record_step(drafted, emitted - 1, from_lookup=lookup)
+        nonfinite = drafts.nonfinite if drafts.nonfinite is not None else torch.zeros_like(from_lookup)
+        for row, drafted, emitted, lookup, broken in zip(rows.tolist(), num_drafts.tolist(), kept.tolist(),
+                                                         from_lookup.tolist(), nonfinite.tolist()):  # fmt: skip
+            metrics[row].record_step(drafted, emitted - 1, from_lookup=lookup, nonfinite=broken)
 
         # Keep the slots of the root and the accepted path; crop the slots that no row kept.
         kept_slots = ancestors[batch_rows, best]
@@ -361,7 +365,7 @@ def _tree_attention_mask(mask, ancestors, dtype):
 def _to_device(drafts: DraftTree, device) -> DraftTree:
     return DraftTree(*(None if t is None else t.to(device) for t in (drafts.tokens, drafts.parents, drafts.depths,
                                                                      drafts.valid, drafts.draft_logits,
-                                                                     drafts.confidences)))  # fmt: skip
+                                                                     drafts.confidences, drafts.nonfinite)))  # fmt: skip
 
 
 def _check_tree(top_k: list[int], n_candidates: int, num_heads: int, generation_config) -> None:

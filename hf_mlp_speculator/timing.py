@@ -4,6 +4,7 @@ Speed is counted in tokens. A speculative step emits several tokens at once, so 
 each verifier forward emitted (a streamer sees one chunk per forward), never from the number of chunks.
 """
 
+import argparse
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 UNTRAINED = "untrained"
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: positive integers separated by commas, such as 1,4,16."""
+    try:
+        return [positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers") from None
+
+
 def add_model_arguments(parser) -> None:
     """The options that choose and load the model pair, common to the demo and the benchmark."""
     parser.add_argument("--model", help="Base model: a folder or Hub id (default: SmolLM2-135M-Instruct, offline).")
@@ -39,10 +59,10 @@ def add_model_arguments(parser) -> None:
         "--dtype", choices=list(DTYPES), default="float32", help="Weights and compute dtype (default: %(default)s)."
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=128, help="Tokens generated per prompt (default: %(default)s)."
+        "--max-new-tokens", type=positive_int, default=128, help="Tokens generated per prompt (default: %(default)s)."
     )
     parser.add_argument(
-        "--num-prompts", type=int, default=8, help="How many of the held-out prompts to run (default: %(default)s)."
+        "--num-prompts", type=positive_int, default=8, help="How many prompts to run (default: %(default)s)."
     )
 
 

@@ -1,12 +1,18 @@
-"""Mistakes users make get a ValueError that names the problem and the fix."""
+"""Bad input: mistakes users make get an error that names the problem and the fix (on the command line, one line and
+exit status 2); what plain generate() takes, speculative generate() takes; a fault in the draft never ends a call."""
+
+import logging
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
+from conftest import HIDDEN, VOCAB, make_oracle, make_prompt, make_speculator, make_verifier
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from tiny_tokenizer import char_tokenizer
 from transformers import GenerationConfig
 
-from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
+from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, cli
 
 
 @pytest.mark.parametrize(
@@ -171,3 +177,155 @@ def test_num_assistant_tokens_below_one_is_refused(num_assistant_tokens, batch):
     with pytest.raises(ValueError, match=refused):
         make_verifier().generate(prompt, max_new_tokens=4, num_assistant_tokens=num_assistant_tokens,
                                  assistant_model=make_speculator())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(prompt_lookup_num_tokens=0), r"prompt_lookup_num_tokens=0: prompt lookup drafts that many tokens per step"),
+        (dict(prompt_lookup_num_tokens=-1), r"prompt_lookup_num_tokens=-1: .* must be a positive integer"),
+        (dict(n_candidates=0), r"n_candidates=0: a tree keeps that many candidate paths, so it must be a positive"),
+        (dict(n_candidates="3"), r"n_candidates='3': .* positive integer \(the speculator's own is 5\)"),
+        (dict(top_k_tokens_per_head=[2, "2", 2]), r"top_k_tokens_per_head=\[2, '2', 2\]: give a list of positive"),
+        (dict(top_k_tokens_per_head=3), r"top_k_tokens_per_head=3: give a list of positive integers"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("batch", [1, 2])
+def test_bad_generate_options_are_refused(kwargs, message, batch):
+    prompt = make_prompt().repeat(batch, 1)
+    with pytest.raises(ValueError, match=message):
+        make_verifier().generate(prompt, max_new_tokens=4, assistant_model=make_speculator(), **kwargs)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_int32_input_ids_in_a_batch(tree):
+    verifier, prompts = make_verifier(), torch.cat([make_prompt(seed=1), make_prompt(seed=2)])
+    kwargs = dict(max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompts))
+    expected = verifier.generate(prompts, **kwargs)
+    options = dict(n_candidates=3) if tree else {}
+    output = verifier.generate(prompts.int(), assistant_model=make_speculator(), **kwargs, **options)
+    assert torch.equal(output, expected)
+
+
+def broken_speculator(kind: str):
+    """A speculator whose second head gives NaN logits, or one in float16 whose logits overflow to inf."""
+    speculator = make_speculator(n_predict=3)
+    with torch.no_grad():
+        if kind == "nan":
+            speculator.speculator.head[1].weight.fill_(float("nan"))
+        else:
+            speculator.speculator.head[0].weight.fill_(6e4)  # finite in float16, but its logits pass 65504
+            speculator.half()
+    return speculator
+
+
+@pytest.mark.parametrize("kind", ["nan", "fp16 overflow"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_nonfinite_speculator_logits_never_end_a_call(kind, batch, do_sample, caplog):
+    """The rows whose speculator logits are not finite draft less; the call completes, greedy identical to plain."""
+    verifier, prompts = make_verifier(), torch.cat([make_prompt(seed=s) for s in range(batch)])
+    speculator = broken_speculator(kind)
+    kwargs = dict(max_new_tokens=12, do_sample=do_sample, attention_mask=torch.ones_like(prompts))
+    expected = verifier.generate(prompts, **kwargs)
+    with caplog.at_level(logging.WARNING, logger="hf_mlp_speculator"):
+        output = verifier.generate(prompts, assistant_model=speculator, **kwargs)
+    assert output.shape == expected.shape
+    if not do_sample:
+        assert torch.equal(output, expected)
+    metrics = speculator.speculation_metrics
+    assert metrics.num_nonfinite_steps > 0 and metrics.num_steps > 0
+    # The drafts verified: head 0's only where head 1 is broken, none where head 0 overflows.
+    assert metrics.head_draft_tokens[1:] == [] and (metrics.num_draft_tokens > 0) == (kind == "nan")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "logits were not finite (NaN or inf)" in warnings[0]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny base model with its tokenizer, a speculator for it, one for another base, and prompt files."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    make_verifier().save_pretrained(root / "base")
+    char_tokenizer().save_pretrained(root / "base")
+    make_speculator().save_pretrained(root / "speculator")
+    other = MLPSpeculatorConfig(vocab_size=VOCAB, emb_dim=32, inner_dim=48, top_k_tokens_per_head=[2, 2, 2])
+    MLPSpeculatorPreTrainedModel(other).save_pretrained(root / "other_speculator")
+    (root / "latin1.txt").write_bytes("A first prompt\nCaf\xe9 au lait\n".encode("latin-1"))
+    (root / "blank.txt").write_text("\n  \n\n")
+    (root / "a_file").write_text("not a folder")
+    return root
+
+
+def command_line_errors():
+    """(argv, the message after `hf-mlp-speculator <command>: error: `), with `{root}` for the fixture folder."""
+    train = ["train", "--base-model", "{root}/base", "--output-dir", "{out}", "--report-to", "none"]
+    bench = ["bench", "--model", "{root}/base", "--speculator", "{root}/speculator", "--output-dir", "{root}/bench"]
+    return [
+        (train + ["--prompts", "{root}/latin1.txt"],
+         "{root}/latin1.txt:2 is not UTF-8 text (byte 0xe9 at column 4): save the file as UTF-8."),
+        (train + ["--prompts", "{root}/blank.txt"],
+         "{root}/blank.txt holds no prompts or documents: it is empty or blank. Give a file with text."),
+        (train + ["--prompts", "{root}/missing.txt"], "{root}/missing.txt does not exist (no such file or folder)."),
+        (["train", "--base-model", "{root}/base", "--prompts", "{root}/blank.txt", "--output-dir", "{root}/a_file"],
+         "--output-dir {root}/a_file is a file, not a folder: name a new folder, or a run's to resume."),
+        (["train", "--base-model", "{root}/no_model", "--prompts", "{root}/blank.txt", "--output-dir", "{out}"],
+         "{root}/no_model"),
+        (bench + ["--prompts", "{root}/latin1.txt"], "{root}/latin1.txt:2 is not UTF-8 text"),
+        (bench + ["--prompts", "{root}/blank.txt"], "{root}/blank.txt holds no prompts or documents"),
+        (bench[:-1] + ["{root}/a_file"],
+         "--output-dir {root}/a_file is a file, not a folder: name a folder for the results."),
+        (["bench", "--model", "{root}/base"], "--model {root}/base needs --speculator"),
+        (["bench", "--model", "{root}/base", "--speculator", "{root}/no_speculator", "--output-dir", "{root}/bench"],
+         "{root}/no_speculator"),
+        (["bench", "--model", "{root}/base", "--speculator", "{root}/other_speculator", "--max-new-tokens", "2",
+          "--num-prompts", "1", "--output-dir", "{root}/bench"],
+         "The speculator's emb_dim is 32 but the model's hidden_size is 64"),
+        (["demo", "--model", "{root}/base", "--speculator", "{root}/other_speculator", "--max-new-tokens", "2",
+          "--num-prompts", "1"], "The speculator's emb_dim is 32 but the model's hidden_size is 64"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv,message", command_line_errors())
+def test_command_line_errors_are_one_line(folders, tmp_path, capsys, argv, message):
+    argv = [arg.format(root=folders, out=tmp_path / "out") for arg in argv]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"hf-mlp-speculator {argv[0]}: error: ") and message.format(root=folders) in line, err
+    assert "Traceback" not in err
+    # A run stopped by a bad input saved nothing: the same command, once the input is fixed, needs no --resume.
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--num-prompts", "0"], "argument --num-prompts: '0' is not a positive integer"),
+     (["--max-new-tokens", "-3"], "argument --max-new-tokens: '-3' is not a positive integer"),
+     (["--batch-sizes", "0"], "argument --batch-sizes: '0' is not a comma-separated list of positive integers"),
+     (["--batch-sizes", "4,x"], "argument --batch-sizes: '4,x' is not a comma-separated list of positive integers"),
+     (["--repeats", "two"], "argument --repeats: 'two' is not a positive integer")],
+)  # fmt: skip
+def test_bench_arguments_are_checked_by_argparse(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", *flags])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"hf-mlp-speculator bench: error: {message}"
+
+
+def test_debug_shows_the_traceback(folders, tmp_path):
+    with pytest.raises(ValueError, match="holds no prompts or documents"):
+        cli.main(["train", "--base-model", str(folders / "base"), "--prompts", str(folders / "blank.txt"),
+                  "--output-dir", str(tmp_path / "out"), "--debug"])  # fmt: skip
+
+
+def test_a_command_line_error_is_one_line_on_stderr(folders, tmp_path):
+    """As a user's shell sees it: one line, exit status 2, no traceback."""
+    argv = ["train", "--base-model", str(folders / "base"), "--prompts", str(folders / "latin1.txt"),
+            "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "hf_mlp_speculator.cli", *argv], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"hf-mlp-speculator train: error: {folders}/latin1.txt:2 is not UTF-8 text (byte 0xe9 at column 4): save the "
+        "file as UTF-8."
+    ]

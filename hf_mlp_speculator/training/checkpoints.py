@@ -63,9 +63,12 @@ def latest_checkpoint(output_dir) -> Path | None:
 
 def claim_output_dir(output_dir: Path, settings: dict, resume: bool) -> None:
     """
-    Makes `output_dir` this run's: records `settings` in `run.json`, or, when the folder already holds a run, checks
-    that this is its resumption with the same settings. Raises a `ValueError` naming the problem and the fix otherwise.
+    Makes `output_dir` this run's: records `settings` in `run.json`, or, when the folder already holds a run that saved
+    something, checks that this is its resumption with the same settings. Raises a `ValueError` naming the problem and
+    the fix otherwise. A run that saved nothing (it stopped at a bad input, say) is simply replaced.
     """
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"--output-dir {output_dir} is a file, not a folder: name a new folder, or a run's to resume.")
     run_file = output_dir / RUN_FILE
     earlier = json.loads(run_file.read_text()) if run_file.is_file() else None
     leftovers = [p.name for p in (*checkpoints(output_dir), output_dir / "model.safetensors") if p.exists()]
@@ -74,12 +77,12 @@ def claim_output_dir(output_dir: Path, settings: dict, resume: bool) -> None:
             f"{output_dir} holds {', '.join(leftovers)} from a run that recorded no {RUN_FILE} (made by another version "
             "or by hand). Train into an empty folder, or remove them."
         )
-    if earlier is not None and not resume:
+    if earlier is not None and leftovers and not resume:
         raise ValueError(
             f"{output_dir} already holds a training run. Pass --resume to continue it, or choose another "
             "--output-dir (or delete the folder) to start a new one."
         )
-    if earlier is not None:
+    if earlier is not None and leftovers:
         changed = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
         if changed:
             listing = "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in sorted(changed.items()))

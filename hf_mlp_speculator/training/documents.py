@@ -39,32 +39,43 @@ def _render(record: dict, tokenizer, text_field: str, where: str) -> str:
     )
 
 
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file; a line that is not UTF-8 is an error that names the file and line."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{path}:{number} is not UTF-8 text (byte {raw[error.start]:#04x} at column {error.start + 1}): "
+                    "save the file as UTF-8."
+                ) from None
+
+
 def _iter_txt(path: Path) -> Iterator[str]:
     # Blank lines separate documents, so that a .txt file of paragraphs is split at paragraph boundaries for the
     # held-out split and for the end-of-document tokens between them.
     lines = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                lines.append(line)
-            elif lines:
-                yield "".join(lines).rstrip("\n")
-                lines = []
+    for _, line in _lines(path):
+        if line.strip():
+            lines.append(line)
+        elif lines:
+            yield "".join(lines).rstrip("\n")
+            lines = []
     if lines:
         yield "".join(lines).rstrip("\n")
 
 
 def _iter_jsonl(path: Path, tokenizer, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number} is not valid JSON ({error.msg} at column {error.colno}).") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{number} holds a JSON {type(record).__name__}, not an object (a record).")
-                yield _render(record, tokenizer, text_field, f"{path}:{number}")
+    for number, line in _lines(path):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number} is not valid JSON ({error.msg} at column {error.colno}).") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number} holds a JSON {type(record).__name__}, not an object (a record).")
+            yield _render(record, tokenizer, text_field, f"{path}:{number}")
 
 
 def _iter_parquet(path: Path, tokenizer, text_field: str) -> Iterator[str]:
@@ -105,12 +116,19 @@ def iter_documents(source: str, tokenizer, text_field: str = "text", split: str 
             raise ValueError(f"The folder {source} holds no {', '.join(KNOWN_SUFFIXES)} file to read documents from.")
         for file in files:
             yield from iter_documents(str(file), tokenizer, text_field, split)
-    elif path.is_file() and path.suffix in TEXT_SUFFIXES:
-        yield from _iter_txt(path)
-    elif path.is_file() and path.suffix in JSONL_SUFFIXES:
-        yield from _iter_jsonl(path, tokenizer, text_field)
-    elif path.is_file() and path.suffix in PARQUET_SUFFIXES:
-        yield from _iter_parquet(path, tokenizer, text_field)
+    elif path.is_file() and path.suffix in KNOWN_SUFFIXES:
+        if path.suffix in TEXT_SUFFIXES:
+            documents = _iter_txt(path)
+        elif path.suffix in JSONL_SUFFIXES:
+            documents = _iter_jsonl(path, tokenizer, text_field)
+        else:
+            documents = _iter_parquet(path, tokenizer, text_field)
+        empty = True
+        for document in documents:
+            empty = False
+            yield document
+        if empty:
+            raise ValueError(f"{source} holds no prompts or documents: it is empty or blank. Give a file with text.")
     elif path.is_file():
         raise ValueError(
             f"Cannot read {source}: its suffix {path.suffix!r} is not one of "
