@@ -7,6 +7,7 @@ output was identical, and the depths the controller chose.
 
     python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64
     python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8
+    python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7   # sampled, each batch under one seed
 """
 
 import argparse
@@ -27,6 +28,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--assistant-confidence-threshold", type=float, help="passed to the speculative calls only")
     parser.add_argument("--tree", action="store_true", help="draft trees (the speculator's n_candidates)")
+    parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
     args = parser.parse_args()
     model, tokenizer, speculator = load_pair(None, args.speculator)
     prompts = [p[0].tolist() for p in encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])]
@@ -36,8 +38,10 @@ def main():
         seconds, same, metrics = {"plain": 0.0, "speculative": 0.0}, True, None
         for index, (input_ids, mask) in enumerate([batches[0]] + batches):
             warmup = index == 0
-            kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=pad,
+            kwargs = dict(attention_mask=mask, do_sample=args.temperature is not None, pad_token_id=pad,
                           max_new_tokens=WARMUP_TOKENS * 2 if warmup else args.max_new_tokens)  # fmt: skip
+            if args.temperature is not None:
+                kwargs.update(temperature=args.temperature, top_k=None, top_p=None)
             outputs = {}
             speculative = {"assistant_model": speculator}
             if args.tree:
@@ -45,6 +49,7 @@ def main():
             if args.assistant_confidence_threshold is not None:
                 speculative["assistant_confidence_threshold"] = args.assistant_confidence_threshold
             for name, extra in (("plain", {}), ("speculative", speculative)):
+                torch.manual_seed(index)
                 start = time.perf_counter()
                 with torch.no_grad():
                     outputs[name] = model.generate(input_ids, **kwargs, **extra)
@@ -57,7 +62,7 @@ def main():
         print(
             f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x "
             f"(plain {seconds['plain']:.1f} s, speculative {seconds['speculative']:.1f} s, {len(batches)} batches), "
-            f"identical: {'yes' if same else 'NO'}, tokens/step {metrics.mean_tokens_per_step:.2f}, "
+            f"identical: {'n/a (sampled)' if args.temperature is not None else 'yes' if same else 'NO'}, tokens/step {metrics.mean_tokens_per_step:.2f}, "
             f"steps by k {metrics.steps_by_depth}, verify ms by k "
             f"{ {k: round(s * 1000, 1) for k, s in metrics.mean_verify_seconds.items()} }",
             flush=True,

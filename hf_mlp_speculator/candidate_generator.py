@@ -27,9 +27,11 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     prompt position; after a round that checked `k` drafts and accepted `m` of them it is row `m` of the `k + 1`
     verified positions (the rows after it saw rejected drafts).
 
-    With `do_sample=True`, drafts are sampled from the speculator's logits after the same logits processors as the
-    verifier's, and those processed logits are returned, so that transformers' rejection sampling divides by the
-    distribution each draft was really drawn from and the output follows the verifier's distribution exactly.
+    Sampled calls run here only with `speculative_sampling="rejection"` (by default they run in
+    `speculative_decoding`'s loop, keyed by position). Drafts are then sampled from the speculator's logits after the
+    same logits processors as the verifier's, and those processed logits are returned (one-hot for a prompt-lookup
+    draft), so that transformers' rejection sampling divides by the distribution each draft was really drawn from and
+    the output follows the verifier's distribution exactly.
     """
 
     requires_model_outputs = True
@@ -43,6 +45,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     ):
         self.speculator = speculator
         self.do_sample = generation_config.do_sample
+        self.draft_scores = []  # the processed scores each draft of this round was sampled from
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
         eos = generation_config.eos_token_id
@@ -58,14 +61,13 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.num_drafted = 0  # drafts of the round now being verified; 0 during prefill
         self.from_lookup = False  # whether they came from prompt lookup (hybrid drafting)
         self.in_prefill = True
-        self.hybrid = HybridDrafter.for_call(1, generation_config, speculator.config.vocab_size)
+        self.hybrid = HybridDrafter.for_call(1, generation_config)
         self.confidences = None  # of the drafts now being verified
         self.nonfinite = False  # whether their drafting stopped at non-finite speculator logits
         self.verify_start = 0.0
-        kind = "chain, sampled" if self.do_sample else "chain, greedy"
         self.controller = SpeculationController(
             lambda rows: cost_model_for(verifier if verifier is not None else speculator, rows),
-            acceptance_for(speculator, kind), self.num_heads,
+            acceptance_for(speculator, "chain, sampled" if self.do_sample else "chain, greedy"), self.num_heads,
         )  # fmt: skip
 
     @property
@@ -97,7 +99,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             self.num_drafted = 0  # the speculator's drafts would not pay; prompt lookup's still may
         if room == 0 or (self.num_drafted == 0 and self.hybrid is None):
             self.confidences, self.nonfinite = None, False
-            return self._verify_from_now(input_ids, None)
+            return self._verify_from_now(input_ids)
 
         def process(scores, drafts):
             if not self.logits_processor:
@@ -113,6 +115,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
                 process, self.select, self.confidence_threshold, self.controller.keep_drafting,
             )  # fmt: skip
 
+        self.draft_scores = []
         if self.hybrid is None:
             chain = speculator_chain()
         else:
@@ -128,20 +131,25 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.num_drafted = drafts.shape[1]  # fewer than asked if the chain stopped at an unsure draft
         self.confidences = None if chain.confidences is None else chain.confidences[:, : self.num_drafted]
         self.nonfinite = chain.nonfinite is not None and bool(chain.nonfinite[0])
-        candidates = torch.cat([input_ids, drafts], dim=-1)
-        logits = chain.draft_logits if self.do_sample and self.num_drafted else None  # none: a plain step
-        return self._verify_from_now(candidates, logits[:, : self.num_drafted] if logits is not None else None)
+        logits = None  # greedy, or a plain step: transformers checks the drafts against its own argmax
+        if self.do_sample and self.num_drafted and self.from_lookup:  # a deterministic proposal: q is one-hot
+            logits = torch.full((1, self.num_drafted, self.speculator.config.vocab_size), float("-inf"),
+                                device=drafts.device).scatter_(-1, drafts[..., None], 0.0)  # fmt: skip
+        elif self.do_sample and self.num_drafted:
+            logits = torch.stack(self.draft_scores[: self.num_drafted], dim=1)
+        return self._verify_from_now(torch.cat([input_ids, drafts], dim=-1), logits)
 
-    def _verify_from_now(self, candidates, logits):
+    def _verify_from_now(self, candidates, logits=None):
         synchronize(candidates.device)
         self.verify_start = time.perf_counter()
         return candidates, logits
 
-    def select(self, logits: torch.FloatTensor) -> torch.LongTensor:
-        """Picks a draft from processed logits the way the verifier picks its tokens: argmax, or a sample."""
-        if self.do_sample:
-            return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(1)
-        return logits.argmax(dim=-1)
+    def select(self, scores: torch.FloatTensor, head: int) -> torch.LongTensor:
+        """Picks draft `head` from processed scores as the verifier picks its tokens: argmax, or a sample."""
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
+        self.draft_scores.append(scores)
+        return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         if self.in_prefill:

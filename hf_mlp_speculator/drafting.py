@@ -20,8 +20,6 @@ class DraftTree:
         parents (`torch.LongTensor` of shape `(rows, nodes)`): the root is its own parent.
         depths (`torch.LongTensor` of shape `(rows, nodes)`): drafts between the root and the node; 0 for the root.
         valid (`torch.BoolTensor` of shape `(rows, nodes)`): `False` for the padding that evens out the rows.
-        draft_logits (`torch.FloatTensor` of shape `(rows, nodes - 1, vocab)`, *optional*): for a sampled chain, the
-            processed logits each draft was drawn from.
         confidences (`torch.FloatTensor` of shape `(rows, nodes - 1)`, *optional*): for a chain, the probability the
             speculator gave each draft.
         nonfinite (`torch.BoolTensor` of shape `(rows,)`, *optional*): rows whose drafts ended early because a head
@@ -32,7 +30,6 @@ class DraftTree:
     parents: torch.LongTensor
     depths: torch.LongTensor
     valid: torch.BoolTensor
-    draft_logits: torch.FloatTensor | None = None
     confidences: torch.FloatTensor | None = None
     nonfinite: torch.BoolTensor | None = None
 
@@ -80,8 +77,9 @@ def draft_chain(
 ) -> DraftTree:
     """
     Drafts up to `num_drafts[b]` tokens for row `b`, head after head. `process(scores, drafts)` applies the logits
-    processors to the scores that follow `drafts` and `select(scores)` picks a token, both exactly as for the
-    verifier, so that a sampled draft comes with the distribution it was really drawn from.
+    processors to the scores that follow `drafts` and `select(scores, head)` picks head `head`'s token, both exactly
+    as the verifier picks its tokens (sampled with the noise of the position the draft is for, see
+    `position_noise`).
 
     As transformers' assistants do with `assistant_confidence_threshold`, a row's chain ends with its first draft that
     got less than `confidence_threshold` probability: the heads after it would rarely be accepted, and each costs a
@@ -91,16 +89,15 @@ def draft_chain(
     device = last_tokens.device  # the verifier's: processors and tokens live there
     state = heads.input_state(hidden)
     token = last_tokens
-    drafts, draft_logits, confidences = [], [], []
+    drafts, confidences = [], []
     nonfinite = torch.zeros_like(num_drafts, dtype=torch.bool)
     head = 0
     while head < int(num_drafts.max()):
         state, logits = heads.step(head, state, token.to(state.device))
         logits, num_drafts, nonfinite = finite_logits(logits.to(device, torch.float32), num_drafts, head, nonfinite)
         scores = process(logits, torch.stack(drafts, dim=1) if drafts else None)
-        token = select(scores)
+        token = select(scores, head)
         drafts.append(token)
-        draft_logits.append(scores)
         confidences.append(scores.softmax(-1).gather(1, token[:, None]).squeeze(1))
         head += 1
         if confidence_threshold > 0:
@@ -110,7 +107,6 @@ def draft_chain(
             num_drafts = num_drafts.clamp(max=head)
     candidates = torch.stack(drafts, dim=1)[:, None] if drafts else last_tokens.new_zeros(len(last_tokens), 1, 0)
     tree = tree_from_candidates(candidates, last_tokens, num_drafts)
-    tree.draft_logits = torch.stack(draft_logits, dim=1) if draft_logits else None
     tree.confidences = torch.stack(confidences, dim=1) if confidences else None
     tree.nonfinite = nonfinite
     return tree

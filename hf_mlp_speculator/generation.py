@@ -6,10 +6,11 @@ work; everything else is transformers' own assisted decoding loop:
 
 - `generate` checks the speculator against the verifier first (transformers' own check of the pair would report a
   vocab mismatch as "different tokenizers" and would quietly ignore the speculator under beam search), routes a
-  batch of several sequences (several prompts, or `num_return_sequences > 1`) or a request for tree candidates
-  (`n_candidates=` / `top_k_tokens_per_head=`) to our own decoding loop (`speculative_decoding.generate_speculatively`,
-  through `generate`'s `custom_generate` slot, since transformers' assisted decoding verifies one chain for one
-  sequence), then logs the call's metrics;
+  batch of several sequences (several prompts, or `num_return_sequences > 1`), a request for tree candidates
+  (`n_candidates=` / `top_k_tokens_per_head=`) and every sampled call to our own decoding loop
+  (`speculative_decoding.generate_speculatively`, through `generate`'s `custom_generate` slot: transformers' assisted
+  decoding verifies one chain for one sequence, and its rejection sampling draws as many random numbers as there were
+  drafts, so that the same seed would give other tokens after other drafting), then logs the call's metrics;
 - `_get_candidate_generator` returns an `MLPSpeculatorCandidateGenerator` when the assistant is an MLPSpeculator.
 
 Both fall through to transformers unchanged for any other assistant. There are three ways to use them:
@@ -166,6 +167,21 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
         )
 
 
+def check_sampling(sampling, tree: dict, rows: int) -> None:
+    """
+    `speculative_sampling`: "keyed" (the default: a seed gives the same tokens, see `position_noise`) or "rejection"
+    (transformers' rejection sampling, which keeps more drafts where the speculator's distribution differs from the
+    verifier's, but whose tokens change with the drafting), for one sequence and a chain only.
+    """
+    if sampling not in ("keyed", "rejection"):
+        raise ValueError(f"speculative_sampling={sampling!r}: choose 'keyed' (the default) or 'rejection'.")
+    if sampling == "rejection" and (tree or rows > 1):
+        raise ValueError(
+            "speculative_sampling='rejection' runs in transformers' assisted decoding, one sequence and one chain at "
+            "a time: generate one prompt at a time without n_candidates, or use the default keyed sampling."
+        )
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -198,13 +214,15 @@ class MLPSpeculatorGenerationMixin:
         generation_config = args[1] if len(args) > 1 else options.pop("generation_config", None)
         merged = self._prepare_generation_config(generation_config, **options)[0]
         tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
+        sampling = kwargs.pop("speculative_sampling", "keyed")
         check_speculator_fits(self, speculator, merged, tree)
         kwargs["assistant_confidence_threshold"] = confidence_threshold(speculator, generation_config, kwargs)
         # Never leave a previous call's figures behind.
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         rows = (1 if inputs is None else inputs.shape[0]) * (merged.num_return_sequences or 1)
-        if tree or rows > 1:
+        check_sampling(sampling, tree, rows)
+        if tree or rows > 1 or (merged.do_sample and sampling == "keyed"):
             del kwargs["assistant_model"]
             # `generate` hands a `custom_generate` callable neither the streamer nor the tokenizer, without which it
             # cannot build the stop-string criterion: both travel with the loop.

@@ -50,20 +50,18 @@ class HybridDrafter:
     the verifier emitted next.
     """
 
-    def __init__(self, rows: int, num_tokens: int, max_ngram_size: int | None, vocab_size: int, sampled: bool):
+    def __init__(self, rows: int, num_tokens: int, max_ngram_size: int | None):
         self.num_tokens, self.max_ngram_size = num_tokens, max_ngram_size or 2  # transformers' default
-        self.vocab_size, self.sampled = vocab_size, sampled
         self.lookup_score = torch.zeros(rows)
         self.speculator_score = torch.zeros(rows)
         self.pending = None  # the last step's (rows, lookup drafts, speculator drafts, lengths before it)
 
     @classmethod
-    def for_call(cls, rows: int, generation_config, vocab_size: int) -> "HybridDrafter | None":
+    def for_call(cls, rows: int, generation_config) -> "HybridDrafter | None":
         """The drafter a `generate()` call asks for with `prompt_lookup_num_tokens`, or None."""
         if not generation_config.prompt_lookup_num_tokens:
             return None
-        return cls(rows, generation_config.prompt_lookup_num_tokens, generation_config.max_matching_ngram_size,
-                   vocab_size, generation_config.do_sample)  # fmt: skip
+        return cls(rows, generation_config.prompt_lookup_num_tokens, generation_config.max_matching_ngram_size)
 
     def __call__(self, draft_speculator, sequences, lengths, rows, room) -> tuple[DraftTree, torch.BoolTensor]:
         """
@@ -82,7 +80,7 @@ class HybridDrafter:
         speculator = [None if use else tokens[1 : depth + 1]
                       for tokens, depth, use in zip(chain.tokens.tolist(), depths, use_lookup.tolist())]  # fmt: skip
         self.pending = (rows.tolist(), lookup, speculator, lengths[rows].tolist())
-        return hybrid_chain(chain, lookup, use_lookup, self.vocab_size, self.sampled), use_lookup
+        return hybrid_chain(chain, lookup, use_lookup), use_lookup
 
     def prefers_lookup(self, rows) -> torch.BoolTensor:
         return self.lookup_score[rows] > self.speculator_score[rows]
@@ -113,12 +111,8 @@ def _blend(score, value: int):
     return (1 - RECENT_WEIGHT) * score + RECENT_WEIGHT * value
 
 
-def hybrid_chain(speculator_chain: DraftTree, lookup: list[list[int]], use_lookup, vocab_size: int,
-                 sampled: bool) -> DraftTree:  # fmt: skip
-    """
-    One chain per row: the lookup continuation where `use_lookup[b]`, else the speculator's drafts. A sampled
-    chain's draft distributions follow: the speculator's processed logits, or one-hot (0 / -inf) on a lookup draft.
-    """
+def hybrid_chain(speculator_chain: DraftTree, lookup: list[list[int]], use_lookup) -> DraftTree:
+    """One chain per row: the lookup continuation where `use_lookup[b]`, else the speculator's drafts."""
     tokens, last_tokens = speculator_chain.tokens[:, 1:], speculator_chain.tokens[:, 0]
     lookup_rows = use_lookup.nonzero().squeeze(1).tolist()
     counts = speculator_chain.depths.amax(dim=1).clone()
@@ -135,15 +129,5 @@ def hybrid_chain(speculator_chain: DraftTree, lookup: list[list[int]], use_looku
         width = min(depth, speculator_chain.confidences.shape[1])
         chain.confidences = speculator_chain.confidences.new_zeros(len(lookup), depth)
         chain.confidences[:, :width] = speculator_chain.confidences[:, :width]
-    if sampled and depth:
-        # Positions past a row's own chain are never read; uniform keeps them finite.
-        logits = torch.zeros(len(lookup), depth, vocab_size, device=tokens.device)
-        if speculator_chain.draft_logits is not None:
-            width = min(depth, tokens.shape[1])
-            logits[:, :width] = speculator_chain.draft_logits[:, :width]
-        rows = torch.tensor(lookup_rows, dtype=torch.long, device=tokens.device)
-        one_hot = torch.full((len(rows), depth, vocab_size), float("-inf"), device=tokens.device)
-        logits[rows] = one_hot.scatter(-1, candidates[rows, 0, :, None], 0.0)
-        chain.draft_logits = logits
     chain.nonfinite = speculator_chain.nonfinite
     return chain

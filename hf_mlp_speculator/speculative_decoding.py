@@ -1,9 +1,12 @@
-"""Speculative decoding for a batch of prompts, each row accepting its own number of drafts, and for draft trees.
+"""Speculative decoding for a batch of prompts, each row accepting its own number of drafts, for draft trees, and for
+sampling.
 
 transformers' assisted decoding verifies one chain for one sequence. This loop is the decoding method that
 `generate(assistant_model=speculator)` runs instead (through its `custom_generate` slot) when the batch has more than
-one row or when tree candidates are asked for; `generate()` still prepares the inputs, cache, logits processors and
-stopping criteria.
+one row, when tree candidates are asked for, or when the call samples; `generate()` still prepares the inputs, cache,
+logits processors and stopping criteria. Sampling is keyed by position (`position_noise`): every token, drafted or
+not, is the one plain decoding with the call's noise would emit, so verification is the same greedy rule as for
+greedy decoding, trees included.
 
 Design: one rectangular KV cache for the whole batch, realigned by the attention mask alone. Every round appends the
 same slots to every row: its last emitted token and its drafts. The verifier then switches off, in the 2D attention
@@ -46,6 +49,7 @@ from .cost_model import cost_model_for, synchronize
 from .drafting import DraftTree, draft_chain, draft_tree
 from .kv_cache import cache_kwargs, pop_prepared_cache
 from .metrics import SpeculationMetrics
+from .position_noise import PositionNoise
 from .prompt_lookup import HybridDrafter
 
 # Processors that read nothing but the scores run once on all rows; any other runs once per distinct row length.
@@ -83,8 +87,8 @@ def generate_speculatively(
     if tree:
         top_k = list(top_k_tokens_per_head or config.top_k_tokens_per_head)
         n_candidates = n_candidates or config.n_candidates
-        _check_tree(top_k, n_candidates, num_heads, generation_config)
-    hybrid = HybridDrafter.for_call(input_ids.shape[0], generation_config, config.vocab_size)
+        _check_tree(top_k, n_candidates, num_heads)
+    hybrid = HybridDrafter.for_call(input_ids.shape[0], generation_config)
     if hybrid is not None and tree:
         raise ValueError(
             "prompt_lookup_num_tokens drafts chains next to the speculator's; it cannot join tree candidates "
@@ -96,10 +100,12 @@ def generate_speculatively(
     requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name)]
     if requested:
         raise ValueError(
-            f"{', '.join(requested)} cannot be returned by batched or tree speculative decoding: rows advance by "
-            "different numbers of tokens per step. Generate one prompt at a time without n_candidates for them."
+            f"{', '.join(requested)} cannot be returned by batched, tree or sampled speculative decoding: rows "
+            "advance by different numbers of tokens per step. Generate one prompt at a time, greedily and without "
+            "n_candidates, for them."
         )
-    do_sample = generation_config.do_sample
+    # Sampling keyed by position (see `position_noise`): the seed is drawn here, once, from torch's generator.
+    noise = PositionNoise(config.vocab_size, input_ids.device) if generation_config.do_sample else None
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
 
     batch, prompt_length = input_ids.shape
@@ -119,7 +125,7 @@ def generate_speculatively(
         new_tokens = lambda depth: 1 + sum(widths[:depth])  # noqa: E731
     else:
         new_tokens = lambda depth: depth + 1  # noqa: E731
-    kind = "tree" if tree else ("chain, sampled" if do_sample else "chain, greedy")
+    kind = "tree" if tree else ("chain, sampled" if noise else "chain, greedy")
     controller = SpeculationController(lambda rows: cost_model_for(model, rows), acceptance_for(speculator, kind),
                                        num_heads, new_tokens)  # fmt: skip
     streamed = prompt_length  # columns of `sequences` handed to the streamer
@@ -143,10 +149,11 @@ def generate_speculatively(
                 scores = _at_own_lengths(processor, ids, rows, ends, scores)
         return scores
 
-    def select(scores):
-        if do_sample:
-            return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
-        return scores.argmax(dim=-1)
+    def select(scores, depth: int = 0):
+        """The token of each row at `depth` past its last emitted one, from processed `scores`, as the verifier picks."""
+        if noise is None:
+            return scores.argmax(dim=-1)
+        return noise.sample(scores, rows, lengths[rows] + depth)
 
     def emit(tokens, counts):
         """Appends up to `counts[r]` of `tokens[r]` to each row, stopping a row where the stopping criteria say."""
@@ -194,6 +201,8 @@ def generate_speculatively(
             last_tokens, next_position = last_tokens[keep], next_position[keep]
         if not len(rows):
             break
+        if noise is not None:
+            noise.new_step()
 
         # A row's verifier forward adds one token of its own: never draft past max_length.
         room = (generation_config.max_length - lengths[rows] - 1).clamp(min=0)
@@ -241,10 +250,12 @@ def generate_speculatively(
                 [process(scores[:, node], paths[:, node], drafts.depths[:, node]) for node in range(drafts.num_nodes)],
                 dim=1,
             )
-        if do_sample:
-            best, next_tokens = _accept_by_rejection_sampling(drafts, scores, num_drafts)
+        if noise is None:
+            targets = scores.argmax(dim=-1)
         else:
-            best, next_tokens = _accept_greedy(drafts, scores.argmax(dim=-1))
+            node_rows, positions = rows[:, None].expand_as(drafts.depths), lengths[rows, None] + drafts.depths
+            targets = noise.sample(scores.flatten(0, 1), node_rows.flatten(), positions.flatten()).view_as(positions)
+        best, next_tokens = _accept_greedy(drafts, targets)
 
         batch_rows = torch.arange(len(rows), device=rows.device)
         accepted = drafts.depths[batch_rows, best]
@@ -303,32 +314,6 @@ def _accept_greedy(drafts: DraftTree, targets: torch.LongTensor):
     return best, targets[rows, best]
 
 
-def _accept_by_rejection_sampling(drafts: DraftTree, scores: torch.FloatTensor, num_drafts: torch.LongTensor):
-    """
-    Speculative sampling (Leviathan et al., 2023) per row of a chain: draft `i` is kept with probability
-    `min(1, p_i / q_i)`; at the first rejection the token comes from `max(0, p - q)` renormalised, and after the last
-    draft from `p`. `q` is the processed distribution the draft was drawn from, which keeps each row exactly on `p`.
-    """
-    rows = torch.arange(drafts.tokens.shape[0], device=scores.device)
-    p = scores.softmax(dim=-1)
-    if drafts.draft_logits is None:
-        return torch.zeros_like(rows), torch.multinomial(p[:, 0], num_samples=1).squeeze(1)
-    q = drafts.draft_logits.softmax(dim=-1)
-    tokens = drafts.tokens[:, 1:]
-    p_draft = p[:, :-1].gather(-1, tokens[..., None]).squeeze(-1)
-    q_draft = q.gather(-1, tokens[..., None]).squeeze(-1)
-    # Strictly below: a uniform draw of exactly 0 must not accept a draft the verifier gives no probability.
-    kept = (torch.rand_like(p_draft) * q_draft < p_draft) & drafts.valid[:, 1:]
-    accepted = kept.long().cumprod(dim=-1).sum(dim=-1)
-    p_next = p[rows, accepted]
-    rejected = accepted < num_drafts
-    q_next = torch.where(rejected[:, None], q[rows, accepted.clamp(max=q.shape[1] - 1)], 0.0)
-    residual = (p_next - q_next).clamp(min=0)
-    # p == q leaves nothing to resample, but then the draft is never rejected; guard the division anyway.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-    return accepted, torch.multinomial(residual / residual.sum(-1, keepdim=True), num_samples=1).squeeze(1)
-
-
 def _at_own_lengths(fn, ids, rows, ends, values=None):
     """
     `fn(ids[:, :end], values)` for each row of `rows` at its own length `ends[i]`, called as plain `generate()` calls
@@ -364,17 +349,11 @@ def _tree_attention_mask(mask, ancestors, dtype):
 
 def _to_device(drafts: DraftTree, device) -> DraftTree:
     return DraftTree(*(None if t is None else t.to(device) for t in (drafts.tokens, drafts.parents, drafts.depths,
-                                                                     drafts.valid, drafts.draft_logits,
-                                                                     drafts.confidences, drafts.nonfinite)))  # fmt: skip
+                                                                     drafts.valid, drafts.confidences,
+                                                                     drafts.nonfinite)))  # fmt: skip
 
 
-def _check_tree(top_k: list[int], n_candidates: int, num_heads: int, generation_config) -> None:
-    if generation_config.do_sample:
-        raise ValueError(
-            "Tree candidates (n_candidates / top_k_tokens_per_head) are greedy only, as in IBM's reference: sampling "
-            "needs the distribution of one drafted chain. Use do_sample=False, or drop n_candidates and "
-            "top_k_tokens_per_head to sample with a chain."
-        )
+def _check_tree(top_k: list[int], n_candidates: int, num_heads: int) -> None:
     if len(top_k) < num_heads or any(k < 1 for k in top_k):
         raise ValueError(
             f"top_k_tokens_per_head={top_k} needs one positive branching factor for each of the {num_heads} heads "

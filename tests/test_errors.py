@@ -188,6 +188,7 @@ def test_num_assistant_tokens_below_one_is_refused(num_assistant_tokens, batch):
         (dict(n_candidates="3"), r"n_candidates='3': .* positive integer \(the speculator's own is 5\)"),
         (dict(top_k_tokens_per_head=[2, "2", 2]), r"top_k_tokens_per_head=\[2, '2', 2\]: give a list of positive"),
         (dict(top_k_tokens_per_head=3), r"top_k_tokens_per_head=3: give a list of positive integers"),
+        (dict(speculative_sampling="gumbel"), r"speculative_sampling='gumbel': choose 'keyed' \(the default\) or "),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("batch", [1, 2])
@@ -195,6 +196,13 @@ def test_bad_generate_options_are_refused(kwargs, message, batch):
     prompt = make_prompt().repeat(batch, 1)
     with pytest.raises(ValueError, match=message):
         make_verifier().generate(prompt, max_new_tokens=4, assistant_model=make_speculator(), **kwargs)
+
+
+@pytest.mark.parametrize("options", [dict(n_candidates=2), dict(num_return_sequences=2)])
+def test_rejection_sampling_is_for_one_chain(options):
+    with pytest.raises(ValueError, match=r"speculative_sampling='rejection' runs in transformers' assisted decoding"):
+        make_verifier().generate(make_prompt(), max_new_tokens=4, do_sample=True, assistant_model=make_speculator(),
+                                 speculative_sampling="rejection", **options)  # fmt: skip
 
 
 @pytest.mark.parametrize("tree", [False, True])

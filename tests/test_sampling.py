@@ -1,12 +1,24 @@
-"""Sampling with a speculator follows the verifier's distribution exactly (rejection sampling on the real q)."""
+"""Sampling with a speculator follows the verifier's distribution exactly, and a seed gives the same tokens every time:
+each emitted token is the one plain decoding with the same position-keyed noise emits, whatever was drafted."""
 
 import itertools
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_mlp_speculator import MLPSpeculatorCandidateGenerator, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
+from hf_mlp_speculator import (
+    MLPSpeculatorCandidateGenerator,
+    MLPSpeculatorConfig,
+    MLPSpeculatorPreTrainedModel,
+    cost_model,
+)
+from hf_mlp_speculator.position_noise import PositionNoise
 
 V, NEW_TOKENS, TEMPERATURE, TOP_K, SAMPLES = 4, 4, 0.8, 3, 800
 PROMPT = torch.tensor([[1, 2, 3]])
@@ -89,9 +101,9 @@ def sampled_counts(verifier, speculator, input_ids, attention_mask=None, copies=
     return counts, total, per_row
 
 
-def sample_counts(verifier, speculator):
+def sample_counts(verifier, speculator, **generate_kwargs):
     """Counts of each continuation of PROMPT over SAMPLES calls, and the drafted and accepted totals."""
-    (counts,), metrics, _ = sampled_counts(verifier, speculator, PROMPT)
+    (counts,), metrics, _ = sampled_counts(verifier, speculator, PROMPT, **generate_kwargs)
     return counts, metrics.num_draft_tokens, metrics.num_accepted_tokens
 
 
@@ -108,11 +120,35 @@ def test_speculative_sampling_matches_the_verifier_distribution(pair_and_truth):
     assert chi_square_p_value(counts, probs, SAMPLES) > 1e-3
 
 
-def test_the_check_catches_greedy_drafts_under_sampling(pair_and_truth, monkeypatch):
+def noise_blind_to_position(monkeypatch):
+    """Breaks the keying: every position of a row gets the same noise (each token is still a sample of its own
+    distribution, but the tokens of a row are no longer independent)."""
+    real = PositionNoise.at
+    monkeypatch.setattr(PositionNoise, "at", lambda self, rows, positions: real(self, rows, torch.zeros_like(positions)))
+
+
+def test_rejection_sampling_matches_the_verifier_distribution(pair_and_truth):
+    """The documented alternative: transformers' rejection sampling on the speculator's real q."""
+    verifier, speculator, probs = pair_and_truth
+    counts, drafted, accepted = sample_counts(verifier, speculator, speculative_sampling="rejection")
+    assert 0.2 * drafted < accepted < 0.8 * drafted
+    assert chi_square_p_value(counts, probs, SAMPLES) > 1e-3
+
+
+def test_the_check_catches_greedy_drafts_under_rejection_sampling(pair_and_truth, monkeypatch):
     """Drafting by argmax while handing transformers the sampling logits as q (transformers #47932) biases the
     output towards the drafts, and the same check sees it."""
     verifier, speculator, probs = pair_and_truth
-    monkeypatch.setattr(MLPSpeculatorCandidateGenerator, "select", lambda self, logits: logits.argmax(dim=-1))
+    select = MLPSpeculatorCandidateGenerator.select
+    monkeypatch.setattr(MLPSpeculatorCandidateGenerator, "select",
+                        lambda self, scores, head: select(self, scores, head) * 0 + scores.argmax(dim=-1))  # fmt: skip
+    counts, _, _ = sample_counts(verifier, speculator, speculative_sampling="rejection")
+    assert chi_square_p_value(counts, probs, SAMPLES) < 1e-3
+
+
+def test_the_check_catches_noise_shared_between_positions(pair_and_truth, monkeypatch):
+    verifier, speculator, probs = pair_and_truth
+    noise_blind_to_position(monkeypatch)
     counts, _, _ = sample_counts(verifier, speculator)
     assert chi_square_p_value(counts, probs, SAMPLES) < 1e-3
 
@@ -144,31 +180,93 @@ def test_batched_sampling_matches_the_verifier_distribution_row_by_row(pair_and_
     assert chi_square_p_value(counts[1], short_prompt_truth, BATCH_SAMPLES) > 1e-3
 
 
-def test_batched_check_catches_greedy_drafts_under_sampling(pair_and_truth, short_prompt_truth, monkeypatch):
-    import hf_mlp_speculator.speculative_decoding as loop
-
+def test_batched_check_catches_noise_shared_between_positions(pair_and_truth, short_prompt_truth, monkeypatch):
     verifier, speculator, probs = pair_and_truth
-    draft_chain = loop.draft_chain
-    greedy = lambda s: s.argmax(dim=-1)  # noqa: E731
-    # Its arguments: heads, hidden, last_tokens, num_drafts, process, select, confidence_threshold.
-    monkeypatch.setattr(loop, "draft_chain", lambda *args: draft_chain(*args[:5], greedy, *args[6:]))
+    noise_blind_to_position(monkeypatch)
     counts, _, _ = batched_sample_counts(verifier, speculator)
     assert chi_square_p_value(counts[0], probs, BATCH_SAMPLES) < 1e-3
     assert chi_square_p_value(counts[1], short_prompt_truth, BATCH_SAMPLES) < 1e-3
 
 
-def test_rejection_sampling_never_accepts_a_draft_the_verifier_rules_out(monkeypatch):
-    """Even when the uniform draw is exactly 0 (torch.rand is in [0, 1)), a draft with p = 0 is rejected."""
-    from hf_mlp_speculator.drafting import DraftTree
-    from hf_mlp_speculator.speculative_decoding import _accept_by_rejection_sampling
+def keyed_plain_sampling(verifier, input_ids, attention_mask, seed: int, max_new_tokens: int = 12):
+    """
+    An independent plain decoder: after `torch.manual_seed(seed)`, one full forward per token, temperature and top-k
+    applied by hand, and at each position the token `argmax(p / noise)` with the noise of that row and position.
+    """
+    torch.manual_seed(seed)
+    noise = PositionNoise(V, "cpu")
+    ids, mask, rows = input_ids.clone(), attention_mask.clone(), torch.arange(len(input_ids))
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = verifier(ids, attention_mask=mask, position_ids=positions).logits[:, -1] / TEMPERATURE
+            scores = logits.masked_fill(logits < logits.topk(TOP_K).values[:, -1:], float("-inf"))
+            token = noise.sample(scores, rows, torch.full_like(rows, ids.shape[1]))
+            ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return ids
 
-    draft, allowed = 2, 1
-    drafts = DraftTree(tokens=torch.tensor([[0, draft]]), parents=torch.tensor([[0, 0]]),
-                       depths=torch.tensor([[0, 1]]), valid=torch.tensor([[True, True]]),
-                       draft_logits=torch.tensor([[[0.0, 0.0, 5.0, 0.0]]]))  # fmt: skip
-    scores = torch.full((1, 2, V), torch.finfo(torch.float32).min)
-    scores[0, 0, allowed] = 0.0  # the verifier allows only `allowed` after the root
-    scores[0, 1] = 0.0
-    monkeypatch.setattr(torch, "rand_like", torch.zeros_like)
-    accepted, next_token = _accept_by_rejection_sampling(drafts, scores, torch.tensor([1]))
-    assert accepted.tolist() == [0] and next_token.tolist() == [allowed]
+
+RAGGED = (torch.tensor([[1, 2, 3], [0, 2, 1], [3, 3, 1]]), torch.tensor([[1, 1, 1], [0, 1, 1], [1, 1, 1]]))
+MODES = {
+    "batch 1": {},
+    "batch 1, hybrid": {"prompt_lookup_num_tokens": 2},
+    "batch 1, tree": {"n_candidates": 3},
+    "batch 1, 2 heads": {"num_assistant_tokens": 2},
+    "batch 3": {"batch": True},
+    "batch 3, hybrid": {"batch": True, "prompt_lookup_num_tokens": 2},
+    "batch 3, tree": {"batch": True, "n_candidates": 4},
+}
+
+
+def sampled(verifier, speculator, mode: dict, seed: int, max_new_tokens: int = 12):
+    options = dict(mode)
+    input_ids, attention_mask = RAGGED if options.pop("batch", False) else (PROMPT, torch.ones_like(PROMPT))
+    torch.manual_seed(seed)
+    output = verifier.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                               do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0,
+                               assistant_model=speculator, **options)  # fmt: skip
+    return input_ids, attention_mask, output
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_token_is_plain_sampling_with_the_same_noise(pair_and_truth, mode):
+    """Token for token what the independent plain decoder emits, however many drafts were kept."""
+    verifier, speculator, _ = pair_and_truth
+    accepted = 0
+    for seed in range(4):
+        input_ids, attention_mask, output = sampled(verifier, speculator, MODES[mode], seed)
+        assert torch.equal(output, keyed_plain_sampling(verifier, input_ids, attention_mask, seed))
+        accepted += speculator.speculation_metrics.num_accepted_tokens
+    assert accepted > 0
+
+
+def tokens_of_four_calls(mode: str) -> list[list[list[int]]]:
+    verifier, speculator = sharp_pair()
+    return [sampled(verifier, speculator, MODES[mode], seed=1234, max_new_tokens=24)[2].tolist() for _ in range(4)]
+
+
+@pytest.mark.cost_aware
+@pytest.mark.parametrize("mode", ["batch 1", "batch 3", "batch 1, hybrid", "batch 3, tree"])
+def test_a_seed_gives_the_same_tokens_every_time(mode, monkeypatch):
+    """Four calls under one seed, with the controller choosing depths from timings that are random values, and a
+    fresh process: the same tokens."""
+    jitter = random.Random(0)
+    record = cost_model.CostModel.record_verify
+    monkeypatch.setattr(cost_model.CostModel, "record_verify",
+                        lambda self, length, tokens, seconds: record(self, length, tokens, jitter.random()))  # fmt: skip
+    calls = tokens_of_four_calls(mode)
+    assert all(tokens == calls[0] for tokens in calls)
+    code = f"from test_sampling import tokens_of_four_calls; import json; print(json.dumps(tokens_of_four_calls({mode!r})))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                            timeout=300, check=True)  # fmt: skip
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == calls
+
+
+def test_a_token_the_processors_rule_out_is_never_emitted(pair_and_truth):
+    """With top_k=1 every position has one token of positive probability: sampling is greedy decoding."""
+    verifier, speculator, _ = pair_and_truth
+    greedy = verifier.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        output = verifier.generate(PROMPT, max_new_tokens=12, do_sample=True, top_k=1, assistant_model=speculator)
+        assert torch.equal(output, greedy)
