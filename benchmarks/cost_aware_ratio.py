@@ -8,6 +8,7 @@ output was identical, and the depths the controller chose.
     python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64
     python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8
     python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7   # sampled, each batch under one seed
+    python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7 --rejection   # transformers' sampling
 """
 
 import argparse
@@ -29,6 +30,7 @@ def main():
     parser.add_argument("--assistant-confidence-threshold", type=float, help="passed to the speculative calls only")
     parser.add_argument("--tree", action="store_true", help="draft trees (the speculator's n_candidates)")
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
+    parser.add_argument("--rejection", action="store_true", help="speculative_sampling='rejection' (batch 1)")
     args = parser.parse_args()
     model, tokenizer, speculator = load_pair(None, args.speculator)
     prompts = [p[0].tolist() for p in encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])]
@@ -46,6 +48,8 @@ def main():
             speculative = {"assistant_model": speculator}
             if args.tree:
                 speculative["n_candidates"] = speculator.config.n_candidates
+            if args.rejection:
+                speculative["speculative_sampling"] = "rejection"
             if args.assistant_confidence_threshold is not None:
                 speculative["assistant_confidence_threshold"] = args.assistant_confidence_threshold
             for name, extra in (("plain", {}), ("speculative", speculative)):
