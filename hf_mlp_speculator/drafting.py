@@ -61,14 +61,14 @@ class DraftTree:
 def finite_logits(logits: torch.FloatTensor, num_drafts, head: int, nonfinite):
     """
     A diverged or overflowing speculator (NaN weights, an fp16 head past 65504) gives non-finite logits; a row whose
-    head `head` did drafts nothing from that head on: its chain ends before it, and the verifier takes a plain step
-    there. Returns the logits with zeros in those rows (so that sampling them still works; the draft is dropped), the
+    head `head` did drafts nothing from that head on: its drafts end before it (a plain step where it is the first).
+    Returns the logits with zeros in those rows (so that picking from them still works; those drafts are dropped), the
     new per-row limits, and `nonfinite` updated. No host synchronisation.
     """
-    broken = ~torch.isfinite(logits).all(dim=-1)
-    return logits.masked_fill(broken[:, None], 0.0), torch.where(broken, num_drafts.clamp(max=head), num_drafts), (
-        nonfinite | broken
-    )
+    broken = ~torch.isfinite(logits).flatten(1).all(dim=-1)
+    limits = torch.where(broken, num_drafts.clamp(max=head), num_drafts)
+    zeroed = logits.masked_fill(broken.view(-1, *[1] * (logits.dim() - 1)), 0.0)
+    return zeroed, limits, nonfinite | broken
 
 
 def draft_chain(
@@ -127,9 +127,8 @@ def draft_tree(
     limits, nonfinite = num_drafts.to(state.device), torch.zeros(rows, dtype=torch.bool, device=state.device)
     for head in range(int(num_drafts.max())):
         state, logits = heads.step(head, state, token)
-        broken = ~torch.isfinite(logits).flatten(1).all(dim=-1)
-        limits, nonfinite = torch.where(broken, limits.clamp(max=head), limits), nonfinite | broken
-        best = logits.float().nan_to_num().log_softmax(dim=-1).topk(top_k[head], dim=-1)
+        logits, limits, nonfinite = finite_logits(logits, limits, head, nonfinite)
+        best = logits.float().log_softmax(dim=-1).topk(top_k[head], dim=-1)
         scores = (scores[..., None] + best.values).flatten(1)
         token = best.indices.flatten(1)
         paths = torch.cat([paths.repeat_interleave(top_k[head], dim=1), token[..., None]], dim=-1)

@@ -230,14 +230,15 @@ def broken_speculator(kind: str):
 @pytest.mark.parametrize("kind", ["nan", "fp16 overflow"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_nonfinite_speculator_logits_never_end_a_call(kind, batch, do_sample, caplog):
+@pytest.mark.parametrize("tree", [False, True])
+def test_nonfinite_speculator_logits_never_end_a_call(kind, batch, do_sample, tree, caplog):
     """The rows whose speculator logits are not finite draft less; the call completes, greedy identical to plain."""
     verifier, prompts = make_verifier(), torch.cat([make_prompt(seed=s) for s in range(batch)])
     speculator = broken_speculator(kind)
     kwargs = dict(max_new_tokens=12, do_sample=do_sample, attention_mask=torch.ones_like(prompts))
     expected = verifier.generate(prompts, **kwargs)
     with caplog.at_level(logging.WARNING, logger="hf_mlp_speculator"):
-        output = verifier.generate(prompts, assistant_model=speculator, **kwargs)
+        output = verifier.generate(prompts, assistant_model=speculator, **kwargs, **({"n_candidates": 2} if tree else {}))
     assert output.shape == expected.shape
     if not do_sample:
         assert torch.equal(output, expected)
