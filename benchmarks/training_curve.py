@@ -24,7 +24,6 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import hf_mlp_speculator  # noqa: F401  (lets generate() take the speculator)
-from hf_mlp_speculator.controller import SpeculationController
 from hf_mlp_speculator.default_models import (
     SPECULATOR_TRAINING,
     TRAIN_PROMPTS,
@@ -49,17 +48,13 @@ ABLATIONS = {
 def measure(base, tokenizer, speculator_dir: Path, num_prompts: int, new_tokens: int = 64) -> dict:
     speculator = AutoModel.from_pretrained(speculator_dir).eval()
     total = None
-    # This measures the drafts, not the speed: the cost-aware controller must not shorten any step's chain.
-    choose_depth = SpeculationController._forced_depth
-    SpeculationController._forced_depth = lambda self: self.cap
-    try:
-        for input_ids in encode_prompts(tokenizer, evaluation_prompts()[:num_prompts]):
-            base.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                          do_sample=False, assistant_model=speculator, assistant_confidence_threshold=0.0)  # fmt: skip
-            metrics = speculator.speculation_metrics
-            total = metrics if total is None else total + metrics
-    finally:
-        SpeculationController._forced_depth = choose_depth
+    # This measures the drafts, not the speed: every step drafts every head (transformers' constant schedule).
+    for input_ids in encode_prompts(tokenizer, evaluation_prompts()[:num_prompts]):
+        base.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                      do_sample=False, assistant_model=speculator, num_assistant_tokens_schedule="constant",
+                      assistant_confidence_threshold=0.0)  # fmt: skip
+        metrics = speculator.speculation_metrics
+        total = metrics if total is None else total + metrics
     log = json.loads((speculator_dir / "trainer_state.json").read_text())["log_history"][-1]
     return {
         "tokens_per_step": total.mean_tokens_per_step,

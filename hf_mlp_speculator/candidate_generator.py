@@ -68,6 +68,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.controller = SpeculationController(
             lambda rows: cost_model_for(verifier if verifier is not None else speculator, rows),
             acceptance_for(speculator, "chain, sampled" if self.do_sample else "chain, greedy"), self.num_heads,
+            schedule=generation_config.num_assistant_tokens_schedule,
         )  # fmt: skip
 
     @property

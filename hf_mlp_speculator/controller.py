@@ -116,9 +116,13 @@ class SpeculationController:
     verifier's forward, and `acceptance.record` what it kept.
     """
 
-    def __init__(self, cost_models, acceptance: AcceptanceEstimate, cap: int, new_tokens=lambda d: d + 1):
+    def __init__(self, cost_models, acceptance: AcceptanceEstimate, cap: int, new_tokens=lambda d: d + 1,
+                 schedule: str | None = None):  # fmt: skip
         # `cost_models(rows)`: the cost model for a batch of `rows` (rows leave a batch as they finish).
         self.cost_models, self.acceptance, self.cap, self.new_tokens = cost_models, acceptance, cap, new_tokens
+        # transformers' `num_assistant_tokens_schedule`: "constant" drafts `cap` heads every step, as vLLM's
+        # `num_speculative_tokens` does; any other (None, "heuristic", "heuristic_transient") is cost-aware.
+        self.constant = schedule == "constant"
         self.cost_model = None
         self.depth_counts = [0] * (cap + 1)
         self.verify_seconds = [0.0] * (cap + 1)
@@ -141,7 +145,7 @@ class SpeculationController:
         """The depth planned for this step, for `rows` rows on a cache of `cache_length` tokens; 0: no drafts."""
         self.cache_length, self.step_start = cache_length, time.perf_counter()
         self.cost_model = self.cost_models(rows)
-        self.forced = self._forced_depth()
+        self.forced = self.cap if self.constant else self._forced_depth()
         self.head_start = time.perf_counter()
         if self.forced is not None:
             return self.forced

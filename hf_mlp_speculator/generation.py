@@ -167,6 +167,18 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
         )
 
 
+def check_schedule(schedule: str) -> str:
+    """`num_assistant_tokens_schedule`: "constant" drafts `num_assistant_tokens` heads every step (vLLM's
+    `num_speculative_tokens`); "heuristic" and "heuristic_transient" leave each step's depth to the cost-aware
+    controller."""
+    if schedule not in ("constant", "heuristic", "heuristic_transient"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule={schedule!r}: choose 'constant' (every step drafts num_assistant_tokens "
+            "heads) or leave it unset, 'heuristic' or 'heuristic_transient' (the cost-aware controller chooses)."
+        )
+    return schedule
+
+
 def check_sampling(sampling, tree: dict, rows: int) -> None:
     """
     `speculative_sampling`: "keyed" (the default: a seed gives the same tokens, see `position_noise`) or "rejection"
@@ -186,17 +198,17 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def confidence_threshold(speculator, generation_config, kwargs) -> float:
+def assistant_setting(name: str, speculator, generation_config, kwargs):
     """
-    The call's `assistant_confidence_threshold`: as given to `generate()` (or on the generation config it was given),
-    else as set on the speculator's own `generation_config` (where stock transformers reads an assistant's), else none:
-    the cost-aware controller alone decides where a chain ends. The verifier's config is not read, as in stock
-    transformers; transformers' global default of 0.4 lands there and would cut chains that pay.
+    An assistant setting of the call (`assistant_confidence_threshold`, `num_assistant_tokens_schedule`) as the user
+    set it: given to `generate()` (or on the generation config it was given), else on the speculator's own
+    `generation_config` (where stock transformers reads an assistant's), else None. The verifier's merged config is not
+    read: transformers' global defaults land there (a 0.4 threshold, which would cut chains that pay, and the
+    "constant" schedule), and only what the user asked for should override the cost-aware controller.
     """
-    candidates = (kwargs.get("assistant_confidence_threshold"),
-                  getattr(generation_config, "assistant_confidence_threshold", None),
-                  getattr(getattr(speculator, "generation_config", None), "assistant_confidence_threshold", None))
-    return next((value for value in candidates if value is not None), 0.0)
+    candidates = (kwargs.get(name), getattr(generation_config, name, None),
+                  getattr(getattr(speculator, "generation_config", None), name, None))  # fmt: skip
+    return next((value for value in candidates if value is not None), None)
 
 
 class MLPSpeculatorGenerationMixin:
@@ -216,7 +228,11 @@ class MLPSpeculatorGenerationMixin:
         tree = {name: kwargs.pop(name) for name in ("n_candidates", "top_k_tokens_per_head") if name in kwargs}
         sampling = kwargs.pop("speculative_sampling", "keyed")
         check_speculator_fits(self, speculator, merged, tree)
-        kwargs["assistant_confidence_threshold"] = confidence_threshold(speculator, generation_config, kwargs)
+        setting = partial(assistant_setting, speculator=speculator, generation_config=generation_config, kwargs=kwargs)
+        kwargs["assistant_confidence_threshold"] = setting("assistant_confidence_threshold") or 0.0
+        # "heuristic" (transformers' name for adapting the depth) means the cost-aware controller here.
+        schedule = setting("num_assistant_tokens_schedule") or "heuristic"
+        kwargs["num_assistant_tokens_schedule"] = check_schedule(schedule)
         # Never leave a previous call's figures behind.
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))

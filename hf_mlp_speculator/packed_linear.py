@@ -120,7 +120,8 @@ def packed_matches_plain(model: nn.Module, inputs: torch.LongTensor | None = Non
         with packed_weights(model):
             packed = model(inputs, use_cache=False).logits
     except Exception as error:  # a private op may fail in any way: none of it may reach the user
-        logger.info(f"Packed oneDNN weights failed here ({type(error).__name__}: {error}): decoding on the plain weights.")
+        failure = f"{type(error).__name__}: {error}"
+        logger.info(f"Packed oneDNN weights failed here ({failure}): decoding on the plain weights.")
         return False
     difference = float((packed - plain).abs().max() / plain.abs().max().clamp(min=1e-12))
     if not difference <= TOLERANCE:  # NaN included

@@ -27,7 +27,7 @@ def _mix(value: int) -> int:
 
 
 class PositionNoise:
-    """The noise of one sampled call, `vocab_size` wide, on `device`; `seed` drawn from torch's generator if not given."""
+    """The noise of one sampled call, `vocab_size` wide, on `device`; `seed` drawn from torch's generator if None."""
 
     def __init__(self, vocab_size: int, device, seed: int | None = None):
         self.vocab_size, self.device = vocab_size, torch.device(device)

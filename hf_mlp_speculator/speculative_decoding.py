@@ -126,8 +126,10 @@ def generate_speculatively(
     else:
         new_tokens = lambda depth: depth + 1  # noqa: E731
     kind = "tree" if tree else ("chain, sampled" if noise else "chain, greedy")
-    controller = SpeculationController(lambda rows: cost_model_for(model, rows), acceptance_for(speculator, kind),
-                                       num_heads, new_tokens)  # fmt: skip
+    controller = SpeculationController(
+        lambda rows: cost_model_for(model, rows), acceptance_for(speculator, kind), num_heads, new_tokens,
+        generation_config.num_assistant_tokens_schedule,
+    )  # fmt: skip
     streamed = prompt_length  # columns of `sequences` handed to the streamer
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -150,7 +152,7 @@ def generate_speculatively(
         return scores
 
     def select(scores, depth: int = 0):
-        """The token of each row at `depth` past its last emitted one, from processed `scores`, as the verifier picks."""
+        """Each row's token `depth` places past its last emitted one, from processed `scores`, as the verifier does."""
         if noise is None:
             return scores.argmax(dim=-1)
         return noise.sample(scores, rows, lengths[rows] + depth)

@@ -194,5 +194,5 @@ class GenerationRun:
 
 
 def token_bar(description: str) -> Progress:
-    """Progress that counts generated tokens and shows their speed (a bar on a terminal, a line now and then off it)."""
+    """Progress that counts generated tokens and shows their speed: a bar on a terminal, a line now and then off it."""
     return Progress(None, description, "tokens")

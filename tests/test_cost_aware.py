@@ -157,6 +157,33 @@ def test_controller_takes_plain_steps_for_a_random_speculator_on_an_expensive_ve
     assert steps[0] >= 0.8 * sum(steps)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_constant_schedule_drafts_k_every_step(rows, k, clock):
+    """transformers' `num_assistant_tokens_schedule="constant"`, as vLLM's `num_speculative_tokens`: where the controller
+    would take plain steps (random drafts, a verifier whose cost grows with every token), every step drafts k heads,
+    fewer only in the last steps, where max_length leaves no room."""
+    clock.forward = lambda m: float(m)
+    verifier, prompt = make_verifier(), torch.cat([make_prompt(seed=2 + row) for row in range(rows)])
+    speculator = make_speculator()
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
+    expected = verifier.generate(prompt, **kwargs)
+    output = verifier.generate(prompt, assistant_model=speculator, num_assistant_tokens=k,
+                               num_assistant_tokens_schedule="constant", **kwargs)  # fmt: skip
+    assert torch.equal(output, expected)
+    steps = speculator.speculation_metrics.steps_by_depth
+    assert len(steps) == k + 1 and steps[k] >= sum(steps) - k > 0
+
+
+def test_sampling_stays_exact_under_the_constant_schedule():
+    from test_sampling import SAMPLES, chi_square_p_value, exact_distribution, sample_counts, sharp_pair
+
+    verifier, speculator = sharp_pair()
+    counts, drafted, accepted = sample_counts(verifier, speculator, num_assistant_tokens_schedule="constant")
+    assert 0 < accepted < drafted
+    assert chi_square_p_value(counts, exact_distribution(verifier), SAMPLES) > 1e-3
+
+
 def test_packed_weights_leave_the_model_as_it_was_and_never_go_stale():
     verifier = make_verifier()
     tokens = torch.randint(0, 96, (2, 7))

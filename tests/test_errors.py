@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, make_oracle, make_prompt, make_speculator, make_verifier
+from conftest import HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from tiny_tokenizer import char_tokenizer
 from transformers import GenerationConfig
@@ -182,12 +182,13 @@ def test_num_assistant_tokens_below_one_is_refused(num_assistant_tokens, batch):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(prompt_lookup_num_tokens=0), r"prompt_lookup_num_tokens=0: prompt lookup drafts that many tokens per step"),
+        (dict(prompt_lookup_num_tokens=0), r"prompt_lookup_num_tokens=0: prompt lookup drafts that many tokens"),
         (dict(prompt_lookup_num_tokens=-1), r"prompt_lookup_num_tokens=-1: .* must be a positive integer"),
         (dict(n_candidates=0), r"n_candidates=0: a tree keeps that many candidate paths, so it must be a positive"),
         (dict(n_candidates="3"), r"n_candidates='3': .* positive integer \(the speculator's own is 5\)"),
         (dict(top_k_tokens_per_head=[2, "2", 2]), r"top_k_tokens_per_head=\[2, '2', 2\]: give a list of positive"),
         (dict(top_k_tokens_per_head=3), r"top_k_tokens_per_head=3: give a list of positive integers"),
+        (dict(num_assistant_tokens_schedule="fixed"), r"num_assistant_tokens_schedule='fixed': choose 'constant'"),
         (dict(speculative_sampling="gumbel"), r"speculative_sampling='gumbel': choose 'keyed' \(the default\) or "),
     ],
 )  # fmt: skip
@@ -238,7 +239,8 @@ def test_nonfinite_speculator_logits_never_end_a_call(kind, batch, do_sample, tr
     kwargs = dict(max_new_tokens=12, do_sample=do_sample, attention_mask=torch.ones_like(prompts))
     expected = verifier.generate(prompts, **kwargs)
     with caplog.at_level(logging.WARNING, logger="hf_mlp_speculator"):
-        output = verifier.generate(prompts, assistant_model=speculator, **kwargs, **({"n_candidates": 2} if tree else {}))
+        tree_options = {"n_candidates": 2} if tree else {}
+        output = verifier.generate(prompts, assistant_model=speculator, **kwargs, **tree_options)
     assert output.shape == expected.shape
     if not do_sample:
         assert torch.equal(output, expected)

@@ -1,4 +1,4 @@
-"""A bfloat16 verifier with a speculator in bfloat16, float16 or float32: output identical to plain bfloat16 decoding."""
+"""A bfloat16 verifier with a speculator in bfloat16, float16 or float32: output identical to plain bfloat16."""
 
 import pytest
 import torch

@@ -124,7 +124,7 @@ def noise_blind_to_position(monkeypatch):
     """Breaks the keying: every position of a row gets the same noise (each token is still a sample of its own
     distribution, but the tokens of a row are no longer independent)."""
     real = PositionNoise.at
-    monkeypatch.setattr(PositionNoise, "at", lambda self, rows, positions: real(self, rows, torch.zeros_like(positions)))
+    monkeypatch.setattr(PositionNoise, "at", lambda self, rows, positions: real(self, rows, 0 * positions))
 
 
 def test_rejection_sampling_matches_the_verifier_distribution(pair_and_truth):
@@ -253,10 +253,10 @@ def test_a_seed_gives_the_same_tokens_every_time(mode, monkeypatch):
     jitter = random.Random(0)
     record = cost_model.CostModel.record_verify
     monkeypatch.setattr(cost_model.CostModel, "record_verify",
-                        lambda self, length, tokens, seconds: record(self, length, tokens, jitter.random()))  # fmt: skip
+                        lambda self, length, tokens, _: record(self, length, tokens, jitter.random()))  # fmt: skip
     calls = tokens_of_four_calls(mode)
     assert all(tokens == calls[0] for tokens in calls)
-    code = f"from test_sampling import tokens_of_four_calls; import json; print(json.dumps(tokens_of_four_calls({mode!r})))"
+    code = f"import json, test_sampling; print(json.dumps(test_sampling.tokens_of_four_calls({mode!r})))"
     result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
                             timeout=300, check=True)  # fmt: skip
     assert json.loads(result.stdout.strip().splitlines()[-1]) == calls

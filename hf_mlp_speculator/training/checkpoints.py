@@ -68,7 +68,9 @@ def claim_output_dir(output_dir: Path, settings: dict, resume: bool) -> None:
     the fix otherwise. A run that saved nothing (it stopped at a bad input, say) is simply replaced.
     """
     if output_dir.exists() and not output_dir.is_dir():
-        raise ValueError(f"--output-dir {output_dir} is a file, not a folder: name a new folder, or a run's to resume.")
+        raise ValueError(
+            f"--output-dir {output_dir} is a file, not a folder: name a new folder, or a run's to resume."
+        )
     run_file = output_dir / RUN_FILE
     earlier = json.loads(run_file.read_text()) if run_file.is_file() else None
     leftovers = [p.name for p in (*checkpoints(output_dir), output_dir / "model.safetensors") if p.exists()]
