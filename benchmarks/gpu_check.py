@@ -63,7 +63,7 @@ def random_speculator(base, inner: int, device, dtype):
 
 
 def timed_ms(fn, device, repeats: int) -> float:
-    """Median milliseconds of `fn()` after one warm-up call; CUDA events on a GPU, so that no call waits for another."""
+    """Median milliseconds of `fn()` after one warm-up call; on a GPU by CUDA events, so no call waits for another."""
     fn()
     if torch.device(device).type != "cuda":
         times = []
@@ -171,10 +171,11 @@ def end_to_end(base, speculator, profile: dict, batch: int, new_tokens: int, dev
 
 
 def markdown(results: dict) -> str:
+    at = " / ".join(f"{t}" for t in TOKENS_PER_STEP)
     lines = [f"# Device check, {results['device']} (torch {results['torch']}, transformers {results['transformers']})",
              "", "## Cost profile (ms; cache of {} tokens)".format(results["context"]), "",
-             "| base | batch | plain step | verify 2 / 3 / 4 / 5 tokens | heads | predicted speedup at "
-             + " / ".join(f"{t}" for t in TOKENS_PER_STEP) + " tokens per step |", "|---|---:|---:|---|---|---|"]  # fmt: skip
+             f"| base | batch | plain step | verify 2 / 3 / 4 / 5 tokens | heads | predicted speedup at {at} tokens "
+             "per step |", "|---|---:|---:|---|---|---|"]  # fmt: skip
     for row in results["cost_profile"]:
         verify = " / ".join(f"{row['verify_ms_by_new_tokens'][m]:.2f}" for m in range(2, HEADS + 2))
         heads = " / ".join(f"{ms:.2f}" for ms in row["head_ms"])
