@@ -161,8 +161,8 @@ def test_controller_takes_plain_steps_for_a_random_speculator_on_an_expensive_ve
 @pytest.mark.parametrize("k", [1, 3])
 def test_the_constant_schedule_drafts_k_every_step(rows, k, clock):
     """transformers' `num_assistant_tokens_schedule="constant"`, as vLLM's `num_speculative_tokens`: where the
-    controller would take plain steps (random drafts, a verifier whose cost grows with every token), every step drafts k heads,
-    fewer only in the last steps, where max_length leaves no room."""
+    controller would take plain steps (random drafts, a verifier whose cost grows with every token), every step drafts
+    k heads, fewer only in the last steps, where max_length leaves no room."""
     clock.forward = lambda m: float(m)
     verifier, prompt = make_verifier(), torch.cat([make_prompt(seed=2 + row) for row in range(rows)])
     speculator = make_speculator()
