@@ -169,26 +169,6 @@ def test_batch_with_processors_matches_plain():
     assert torch.equal(greedy(verifier, input_ids, attention_mask, assistant_model=speculator, **kwargs), expected)
 
 
-def test_unsupported_batched_requests_are_refused():
-    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch([4, 7])
-    speculator = make_speculator()
-    with pytest.raises(ValueError, match="output_scores cannot be returned"):
-        greedy(verifier, input_ids, attention_mask, max_new_tokens=4, assistant_model=speculator,
-               return_dict_in_generate=True, output_scores=True)  # fmt: skip
-    with pytest.raises(ValueError, match="needs a DynamicCache"):
-        greedy(verifier, input_ids, attention_mask, max_new_tokens=4, assistant_model=speculator,
-               cache_implementation="static")  # fmt: skip
-
-
-def test_sliding_window_overflow_is_refused():
-    verifier = ARCHITECTURES["mistral"]()
-    verifier.config.sliding_window = 16
-    verifier.eval()
-    input_ids, attention_mask = ragged_batch([4, 7])
-    with pytest.raises(ValueError, match="sliding window of 16"):
-        greedy(verifier, input_ids, attention_mask, max_new_tokens=8, assistant_model=make_speculator())
-
-
 def test_stop_strings_on_a_batch_and_a_tree():
     """generate() keeps the tokenizer from a custom decoding loop; the stop-string criterion must reach it anyway."""
     verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch()

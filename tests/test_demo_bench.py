@@ -238,6 +238,12 @@ def test_demo_end_to_end(tiny_pair, capsys, clock):
     assert finals["Without speculation"] == ("10", "1.0") and finals["With MLPSpeculator"][0] == "10"
 
 
-def test_model_without_speculator_is_an_error():
-    with pytest.raises(ValueError, match="needs --speculator"):
-        load_pair("some/model", None)
+def test_bench_on_the_users_prompts(tiny_pair, tmp_path, clock):
+    """`bench --prompts FILE` reads a prompt file as `train` does (here: two prompts separated by a blank line)."""
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("Say hello.\n\nCount to three,\nslowly.\n")
+    rows = run_bench(tiny_pair, tmp_path / "out", "--prompts", str(prompts), "--num-prompts", "5")
+    written = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert written["environment"]["prompts"] == str(prompts)
+    plain = next(row for row in rows if row["mode"] == "plain greedy")
+    assert plain["tokens"] == 2 * 6  # both prompts of the file, and only they, 6 tokens each

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
+from conftest import ARCHITECTURES, HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
+from test_batched_decoding import ragged_batch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from tiny_tokenizer import char_tokenizer
 from transformers import GenerationConfig
@@ -340,3 +341,39 @@ def test_a_command_line_error_is_one_line_on_stderr(folders, tmp_path):
         f"hf-mlp-speculator train: error: {folders}/latin1.txt:2 is not UTF-8 text (byte 0xe9 at column 4): save the "
         "file as UTF-8."
     ]
+
+
+def test_unsupported_batched_requests_are_refused():
+    verifier, (input_ids, attention_mask) = make_verifier(), ragged_batch([4, 7])
+    speculator = make_speculator()
+    with pytest.raises(ValueError, match="output_scores cannot be returned"):
+        verifier.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, assistant_model=speculator,
+                          return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    with pytest.raises(ValueError, match="needs a DynamicCache"):
+        verifier.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, assistant_model=speculator,
+                          cache_implementation="static")  # fmt: skip
+
+
+def test_sliding_window_overflow_is_refused():
+    verifier = ARCHITECTURES["mistral"]()
+    verifier.config.sliding_window = 16
+    verifier.eval()
+    input_ids, attention_mask = ragged_batch([4, 7])
+    with pytest.raises(ValueError, match="sliding window of 16"):
+        verifier.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, assistant_model=make_speculator())
+
+
+def test_lookup_with_trees_is_refused():
+    verifier, speculator = make_verifier(), make_speculator()
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens drafts chains .* cannot join tree candidates"):
+        verifier.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, assistant_model=speculator, n_candidates=2,
+                          prompt_lookup_num_tokens=3)  # fmt: skip
+
+
+def test_tree_requests_are_checked():
+    verifier, prompt = make_verifier(), make_prompt()
+    speculator = make_speculator()
+    with pytest.raises(ValueError, match="n_candidates=9 must be between 1 and the 8 paths"):
+        verifier.generate(prompt, max_new_tokens=4, assistant_model=speculator, n_candidates=9)
+    with pytest.raises(ValueError, match="one positive branching factor for each of the 3 heads"):
+        verifier.generate(prompt, max_new_tokens=4, assistant_model=speculator, top_k_tokens_per_head=[2, 2])

@@ -101,14 +101,7 @@ def test_hybrid_greedy_is_identical_to_plain_at_batch_1_and_batched(arch):
         assert "Prompt lookup:" in str(metrics)
 
 
-def test_lookup_with_trees_is_refused():
-    verifier, speculator = make_verifier(), make_speculator()
-    with pytest.raises(ValueError, match="prompt_lookup_num_tokens drafts chains .* cannot join tree candidates"):
-        verifier.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, assistant_model=speculator, n_candidates=2,
-                          prompt_lookup_num_tokens=3)  # fmt: skip
-
-
-# Sampling: a lookup draft is a deterministic proposal, its q one-hot.
+# Sampling: a lookup draft is kept when it equals the token the verifier samples at its position.
 
 COPYING_PROMPT = torch.tensor([[1, 2, 3, 0, 1, 1, 1, 1]])  # the start of what the verifier writes itself
 SAMPLES = 1200

@@ -88,12 +88,3 @@ def test_draft_tree_keeps_the_most_likely_paths():
     best = [tokens for _, tokens in sorted(paths, key=lambda p: -p[0])[:n]]
     leaves = tree.depths[0] == 3
     assert sorted(tree.paths()[0, leaves].tolist()) == sorted(best)
-
-
-def test_tree_requests_are_checked():
-    verifier, prompt = make_verifier(), make_prompt()
-    speculator = make_speculator()
-    with pytest.raises(ValueError, match="n_candidates=9 must be between 1 and the 8 paths"):
-        verifier.generate(prompt, max_new_tokens=4, assistant_model=speculator, n_candidates=9)
-    with pytest.raises(ValueError, match="one positive branching factor for each of the 3 heads"):
-        verifier.generate(prompt, max_new_tokens=4, assistant_model=speculator, top_k_tokens_per_head=[2, 2])
