@@ -14,6 +14,7 @@ from .configuration_mlp_speculator import MLPSpeculatorConfig
 from .generation import MLPSpeculatorGenerationMixin, enable_mlp_speculator, install, uninstall
 from .metrics import SpeculationMetrics
 from .modeling_mlp_speculator import MLPSpeculatorOutput, MLPSpeculatorPreTrainedModel
+from .packed_linear import fast_cpu_decoding
 
 AutoConfig.register(MLPSpeculatorConfig.model_type, MLPSpeculatorConfig, exist_ok=True)
 AutoModel.register(MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, exist_ok=True)
@@ -29,6 +30,7 @@ __all__ = [
     "MLPSpeculatorPreTrainedModel",
     "SpeculationMetrics",
     "enable_mlp_speculator",
+    "fast_cpu_decoding",
     "install",
     "uninstall",
 ]

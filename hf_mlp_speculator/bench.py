@@ -12,6 +12,7 @@ many prompts: throughput and per-user tokens/s (each row's tokens over the call'
 tokens relative to one new token on a filled cache, and each draft head's cost relative to a plain step.
 """
 
+import contextlib
 import copy
 import json
 import platform
@@ -27,7 +28,7 @@ from transformers.utils import logging
 from .training.documents import iter_documents, left_padded
 from .package_data import evaluation_prompts, grounded_prompts
 from .kv_cache import cache_kwargs, output_cache
-from .packed_linear import packed_weights
+from .packed_linear import fast_cpu_decoding, packed_weights
 from .progress import Progress
 from .timing import (
     WARMUP_TOKENS,
@@ -96,6 +97,7 @@ class Mode:
     generate_kwargs: dict
     baseline: str  # the mode its speedup is measured against
     heads: int | None = None  # draft heads of a speculator mode
+    fast_cpu: bool = False  # plain decoding on the fast CPU path (`fast_cpu_decoding`)
 
 
 def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
@@ -103,6 +105,7 @@ def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
     n_predict = speculator.config.n_predict
     return [
         Mode("plain greedy", greedy, "plain greedy"),
+        Mode("plain greedy, fast CPU path", greedy, "plain greedy", fast_cpu=True),
         Mode("prompt lookup", {**greedy, "prompt_lookup_num_tokens": prompt_lookup_num_tokens}, "plain greedy"),
         *[
             Mode(
@@ -137,7 +140,8 @@ def run_modes(model, modes: list[Mode], prompts: list[torch.LongTensor], max_new
     def call(run, mode, index, input_ids, tokens):
         if mode.generate_kwargs["do_sample"]:
             torch.manual_seed(seed + index)  # every sampling mode draws from the same seed on the same prompt
-        return run.generate(model, input_ids, max_new_tokens=tokens, **mode.generate_kwargs)
+        with fast_cpu_decoding(model) if mode.fast_cpu else contextlib.nullcontext():
+            return run.generate(model, input_ids, max_new_tokens=tokens, **mode.generate_kwargs)
 
     for mode in modes:
         call(GenerationRun("warm-up"), mode, 0, prompts[0], min(WARMUP_TOKENS, max_new_tokens))

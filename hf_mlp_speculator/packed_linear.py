@@ -53,6 +53,8 @@ _PACKED: dict[int, tuple] = {}
 # model -> {batch bucket: whether packed verification measured faster}; weakly keyed, so that a new model never
 # inherits the verdict of a freed one that lived at the same address.
 _PAYS = weakref.WeakKeyDictionary()
+# model -> whether its packed and plain forwards agreed (`fast_cpu_decoding` asks once per model).
+_AGREES = weakref.WeakKeyDictionary()
 
 
 class PackedLinear(nn.Linear):
@@ -166,6 +168,26 @@ def packing_pays(model: nn.Module, batch_size: int, max_new_tokens: int, repeats
                 f"{statistics.median(times[True]):.4f} s against {statistics.median(times[False]):.4f} s."
             )
     return verdicts[key]
+
+
+@contextlib.contextmanager
+def fast_cpu_decoding(model: nn.Module):
+    """
+    The fast CPU path for plain decoding, without a speculator: inside, an fp32 CPU `model` multiplies with
+    oneDNN-packed weights, as speculative `generate()` does by itself, where a probe saw packed and plain forwards
+    agree (once per model; elsewhere, or on another device or dtype, nothing changes). On leaving, the model is as it
+    was; packed copies are kept for the next time and remade for any weight that changed, so they are never stale.
+
+    ```python
+    >>> from hf_mlp_speculator import fast_cpu_decoding
+    >>> with fast_cpu_decoding(model):
+    ...     output = model.generate(input_ids, max_new_tokens=128)
+    ```
+    """
+    if model not in _AGREES:
+        _AGREES[model] = packed_matches_plain(model)
+    with packed_weights(model, _AGREES[model]):
+        yield model
 
 
 def pack_linear_weights(model: nn.Module) -> nn.Module:

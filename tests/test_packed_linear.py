@@ -10,7 +10,7 @@ from conftest import HIDDEN, VOCAB, make_oracle, make_prompt, make_speculator, m
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_mlp_speculator import generation, packed_linear
+from hf_mlp_speculator import fast_cpu_decoding, generation, packed_linear
 from hf_mlp_speculator.packed_linear import PackedLinear, pack_linear_weights, unpack_linear_weights
 
 
@@ -120,3 +120,25 @@ def test_the_probe_accepts_the_real_op():
     verifier = make_verifier()
     assert packed_linear.packed_matches_plain(verifier)
     assert not packed_linear.packed_matches_plain(make_verifier().to(torch.bfloat16))  # not a model for packing
+
+
+def test_fast_cpu_decoding_for_plain_generate(monkeypatch):
+    """The public fast path: identical greedy output, the model as it was afterwards, never a stale copy."""
+    verifier, prompt = make_verifier(), make_prompt()
+    expected = verifier.generate(prompt, max_new_tokens=16, do_sample=False)
+    pointers = {key: value.data_ptr() for key, value in verifier.state_dict().items()}
+    with fast_cpu_decoding(verifier) as model:
+        assert model is verifier and type(verifier.lm_head) is PackedLinear
+        assert torch.equal(verifier.generate(prompt, max_new_tokens=16, do_sample=False), expected)
+    assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
+    assert {key: value.data_ptr() for key, value in verifier.state_dict().items()} == pointers
+    with torch.no_grad():
+        verifier.model.layers[0].mlp.down_proj.weight.mul_(3)  # changed between two uses
+    expected = verifier.generate(prompt, max_new_tokens=16, do_sample=False)
+    with fast_cpu_decoding(verifier):
+        assert torch.equal(verifier.generate(prompt, max_new_tokens=16, do_sample=False), expected)
+
+    monkeypatch.setattr(packed_linear, "OPS", None)  # a torch without the ops: nothing changes
+    other = make_verifier(seed=3)
+    with fast_cpu_decoding(other):
+        assert type(other.lm_head) is nn.Linear
