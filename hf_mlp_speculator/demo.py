@@ -56,7 +56,7 @@ def report(plain: GenerationRun, fast: GenerationRun, speculative: GenerationRun
         f"Fast CPU path:       {speed(fast)}, plain generate() on packed weights, no speculator)",
         f"With MLPSpeculator:  {speed(speculative)}, {speculative.tokens_per_step:.2f} tokens per verifier forward)",
         f"Speedup: {speculative.tokens_per_second / plain.tokens_per_second:.2f}x over plain generate(), "
-        f"{speculative.tokens_per_second / fast.tokens_per_second:.2f}x over the fast CPU path (what the drafts bring)",
+        f"{speculative.tokens_per_second / fast.tokens_per_second:.2f}x over the fast CPU path (the drafts' share)",
         f"Greedy outputs identical: {'yes' if same == total else 'NO'} ({same}/{total} prompts)",
     ])  # fmt: skip
 
