@@ -8,7 +8,6 @@
 - `initialization`: heads that start from the base model's embeddings;
 - `losses`: distillation and acceptance;
 - `checkpoints`: atomic checkpoints and the guard against mixing runs;
-- `progress`: progress on a terminal and in a log;
 - `loop`: `train()`, the loop itself.
 """
 
