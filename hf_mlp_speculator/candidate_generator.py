@@ -49,7 +49,9 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
         eos = generation_config.eos_token_id
-        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        device = verifier.device if verifier is not None else None
+        self.eos_token_ids = torch.tensor(eos, dtype=torch.long, device=device)
         n_predict = speculator.config.n_predict
         self.num_heads = min(n_predict, generation_config.num_assistant_tokens or n_predict)
         # transformers' `assistant_confidence_threshold` (0.4 unless set); see `draft_chain`.
@@ -126,7 +128,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         drafts = chain.tokens[:, 1:]
         # Nothing after an end-of-sequence draft could be emitted. Ending the chain there also keeps transformers
         # before 5.18 lossless: its assisted decoding stops at an end-of-sequence token only when it comes last.
-        ends = torch.isin(drafts[0], torch.tensor(self.eos_token_ids, dtype=drafts.dtype, device=drafts.device))
+        ends = torch.isin(drafts[0], self.eos_token_ids.to(drafts.device))
         if ends.any():
             drafts = drafts[:, : int(ends.nonzero()[0]) + 1]
         self.num_drafted = drafts.shape[1]  # fewer than asked if the chain stopped at an unsure draft

@@ -9,9 +9,8 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from .packed_linear import fast_cpu_decoding
-
 from .package_data import evaluation_prompts
+from .packed_linear import fast_cpu_decoding
 from .timing import WARMUP_TOKENS, GenerationRun, add_model_arguments, encode_prompts, load_pair, token_bar
 
 

@@ -1,4 +1,4 @@
-"""The KV cache under both of its names: recent transformers releases pass it as `cache`, older 5.x ones as
+"""The KV cache under both of its names: transformers 5.24 and later pass it as `cache`, earlier releases as
 `past_key_values` (in model forwards, in their outputs and in the `model_kwargs` that `generate()` prepares)."""
 
 import inspect

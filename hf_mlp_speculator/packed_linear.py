@@ -30,7 +30,6 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 
-
 def _find_ops():
     """The namespace of the private oneDNN ops, or None where this torch build lacks either of them."""
     try:
@@ -53,7 +52,7 @@ _PACKED: dict[int, tuple] = {}
 # model -> {batch bucket: whether packed verification measured faster}; weakly keyed, so that a new model never
 # inherits the verdict of a freed one that lived at the same address.
 _PAYS = weakref.WeakKeyDictionary()
-# model -> whether its packed and plain forwards agreed (`fast_cpu_decoding` asks once per model).
+# model -> whether its packed and plain forwards agreed (`packed_matches_plain`, asked once per model).
 _AGREES = weakref.WeakKeyDictionary()
 
 
@@ -135,6 +134,13 @@ def packed_matches_plain(model: nn.Module, inputs: torch.LongTensor | None = Non
     return True
 
 
+def _agrees(model: nn.Module) -> bool:
+    """`packed_matches_plain(model)`, asked once per model (for speculative `generate()` and `fast_cpu_decoding`)."""
+    if model not in _AGREES:
+        _AGREES[model] = packed_matches_plain(model)
+    return _AGREES[model]
+
+
 @torch.no_grad()
 def packing_pays(model: nn.Module, batch_size: int, max_new_tokens: int, repeats: int = 3) -> bool:
     """
@@ -152,8 +158,10 @@ def packing_pays(model: nn.Module, batch_size: int, max_new_tokens: int, repeats
         vocab = model.config.get_text_config().vocab_size
         generator = torch.Generator().manual_seed(0)
         inputs = [torch.randint(vocab, (batch_size, m), generator=generator) for m in (1, max_new_tokens)]
-        verdicts[key] = packed_matches_plain(model, inputs[-1])  # also packs, so that no timing below includes it
+        verdicts[key] = _agrees(model)
         if verdicts[key]:
+            with packed_weights(model):  # packs now (once per weight), so that no timing below includes packing
+                pass
             times = {False: [], True: []}
             for _ in range(repeats):
                 for packed in (False, True):
@@ -184,17 +192,15 @@ def fast_cpu_decoding(model: nn.Module):
     ...     output = model.generate(input_ids, max_new_tokens=128)
     ```
     """
-    if model not in _AGREES:
-        _AGREES[model] = packed_matches_plain(model)
-    with packed_weights(model, _AGREES[model]):
+    with packed_weights(model, _agrees(model)):
         yield model
 
 
 def pack_linear_weights(model: nn.Module) -> nn.Module:
     """
     Makes every `nn.Linear` of a CPU fp32 `model` a `PackedLinear` for good, in place; for a model that only runs
-    forward from now on, such as the trainer's frozen base (check `packed_matches_plain(model)` first). Its packed copies are not remade if the weights change:
-    `unpack_linear_weights` first. Returns `model`.
+    forward from now on, such as the trainer's frozen base (check `packed_matches_plain(model)` first). Its packed
+    copies are not remade if the weights change: `unpack_linear_weights` first. Returns `model`.
     """
     if not (OPS and _packable(model)):
         raise ValueError(
