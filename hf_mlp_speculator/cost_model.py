@@ -11,6 +11,7 @@ size starts with what the earlier ones measured.
 
 import math
 import statistics
+import time
 import weakref
 from collections import defaultdict, deque
 
@@ -120,7 +121,42 @@ def cost_model_for(model, batch_size: int, variant: str = "") -> CostModel:
     return models[key]
 
 
-def synchronize(device) -> None:
-    """Waits for queued GPU work, so that a timing covers the work and not just its launch."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+class Stopwatch:
+    """
+    Times work on a device without waiting for it. `start()` marks the beginning, `stop(mark)` the end, and
+    `report(timing, done)` calls `done(seconds)` once the time is known. On CUDA the marks are events, read once the
+    device has passed them (a step or so later) and never waited for; elsewhere the work is done when the call returns,
+    so the wall clock is exact at once.
+    """
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.pending = []  # (start event, end event, done) not read yet, in the order the device runs them
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def stop(self, mark):
+        if not self.cuda:
+            return time.perf_counter() - mark
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return mark, end
+
+    def report(self, timing, done) -> None:
+        if not self.cuda:
+            done(timing)
+            return
+        self.pending.append((*timing, done))
+        self.poll()
+
+    def poll(self, wait: bool = False) -> None:
+        """Hands over the timings whose work has finished (all of them, waiting for the device, if `wait`)."""
+        while self.pending and (wait or self.pending[0][1].query()):
+            start, end, done = self.pending.pop(0)
+            end.synchronize()
+            done(start.elapsed_time(end) / 1000)

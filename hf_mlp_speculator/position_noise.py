@@ -38,10 +38,13 @@ class PositionNoise:
         """Forgets the noise of earlier positions: drafting and verifying a step ask for the same ones."""
         self._kept.clear()
 
-    def at(self, rows: torch.LongTensor, positions: torch.LongTensor) -> torch.FloatTensor:
-        """`(n, vocab_size)`: the noise of row `rows[i]` (its index in the call's batch) at position `positions[i]`."""
+    def at(self, rows: list[int], positions: list[int]) -> torch.FloatTensor:
+        """
+        `(n, vocab_size)`: the noise of row `rows[i]` (its index in the call's batch) at position `positions[i]`. Both
+        are host integers: the noise is drawn on the device without reading anything back.
+        """
         out = []
-        for row, position in zip(rows.tolist(), positions.tolist()):
+        for row, position in zip(rows, positions):
             if (row, position) not in self._kept:
                 generator = torch.Generator(self.device).manual_seed(_mix(_mix(self.seed ^ row) ^ position) >> 1)
                 noise = torch.empty(self.vocab_size, device=self.device).exponential_(generator=generator)
@@ -49,6 +52,6 @@ class PositionNoise:
             out.append(self._kept[row, position])
         return torch.stack(out)
 
-    def sample(self, scores: torch.FloatTensor, rows: torch.LongTensor, positions: torch.LongTensor):
-        """The token each row of processed `scores` `(n, vocab)` samples at its position."""
+    def sample(self, scores: torch.FloatTensor, rows: list[int], positions: list[int]):
+        """The token each row of processed `scores` `(n, vocab)` samples at its position (host integers)."""
         return (scores.float().softmax(dim=-1) / self.at(rows, positions).to(scores.device)).argmax(dim=-1)

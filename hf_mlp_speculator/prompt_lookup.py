@@ -12,49 +12,44 @@ exploration. The choice reads only earlier steps, never the verifier's view of t
 stays identical and sampling exact: a lookup draft is a deterministic proposal, whose draft distribution is one-hot.
 """
 
+import numpy as np
 import torch
 
-from .drafting import DraftTree, tree_from_candidates
+from .drafting import DraftTree, chain_tree
 
 # Weight of the latest step in a source's running score: a few steps are enough to follow the text from copied to
 # free-form and back.
 RECENT_WEIGHT = 0.5
 
 
-def lookup_continuations(sequences, lengths, max_ngram_size: int, num_tokens: int) -> list[list[int]]:
+def lookup_continuation(ids: list[int], max_ngram_size: int, num_tokens: int) -> list[int]:
     """
-    For each row `sequences[b, :lengths[b]]`, the up to `num_tokens` tokens that follow the latest earlier occurrence
-    of its last n tokens, for the largest `n <= max_ngram_size` that occurs; `[]` when none does. The latest
-    occurrence is the one nearest the text being written, as when a copy advances through its source.
+    The up to `num_tokens` tokens that follow the latest earlier occurrence in `ids` of its last n tokens, for the
+    largest `n <= max_ngram_size` that occurs; `[]` when none does. The latest occurrence is the one nearest the text
+    being written, as when a copy advances through its source. On the host: the loop keeps every row's tokens there.
     """
-    continuations = []
-    for row, length in zip(sequences, lengths.tolist()):
-        ids = row[:length]
-        continuation = []
-        for n in range(min(max_ngram_size, length - 1), 0, -1):
-            # Windows that start before the suffix itself and leave at least one token after them.
-            windows = ids[:-1].unfold(0, n, 1)
-            starts = (windows == ids[-n:]).all(dim=1).nonzero()
-            if len(starts):
-                start = int(starts[-1]) + n
-                continuation = ids[start : start + num_tokens].tolist()
-                break
-        continuations.append(continuation)
-    return continuations
+    ids = np.asarray(ids)
+    for n in range(min(max_ngram_size, len(ids) - 1), 0, -1):
+        # Windows that start before the suffix itself and leave at least one token after them.
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+        starts = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+        if len(starts):
+            start = int(starts[-1]) + n
+            return ids[start : start + num_tokens].tolist()
+    return []
 
 
 class HybridDrafter:
     """
-    Swaps lookup drafts into a step's speculator chains where they should pay, and keeps per row (by its original
-    index, as finished rows leave the batch) a running score of how many tokens each source's drafts matched of what
-    the verifier emitted next.
+    Chooses each row's source for a step, and keeps per row (by its original index, as finished rows leave the batch)
+    a running score of how many tokens each source's drafts matched of what the verifier emitted next. All on the
+    host, from the tokens the loop keeps there.
     """
 
     def __init__(self, rows: int, num_tokens: int, max_ngram_size: int | None):
         self.num_tokens, self.max_ngram_size = num_tokens, max_ngram_size or 2  # transformers' default
-        self.lookup_score = torch.zeros(rows)
-        self.speculator_score = torch.zeros(rows)
-        self.pending = None  # the last step's (rows, lookup drafts, speculator drafts, lengths before it)
+        self.lookup_score = [0.0] * rows
+        self.speculator_score = [0.0] * rows
 
     @classmethod
     def for_call(cls, rows: int, generation_config) -> "HybridDrafter | None":
@@ -63,38 +58,30 @@ class HybridDrafter:
             return None
         return cls(rows, generation_config.prompt_lookup_num_tokens, generation_config.max_matching_ngram_size)
 
-    def __call__(self, draft_speculator, sequences, lengths, rows, room) -> tuple[DraftTree, torch.BoolTensor]:
+    def propose(self, sequences: list[list[int]], rows: list[int], room: list[int]):
         """
-        The step's chains for `rows` (original indices) of `sequences[:, :lengths]`, each at most `room[b]` drafts
-        long, and which rows draft from lookup. `draft_speculator(skip)` returns the speculator's chains, with no
-        drafts for the rows in `skip`: heads that only lookup rows would use are never run.
+        For `rows` (original indices) of `sequences`, each at most `room[i]` drafts long: each row's lookup
+        continuation, and whether the row drafts from it this step (else from the speculator).
         """
-        self._score(sequences, lengths)
-        lookup = lookup_continuations(sequences[rows], lengths[rows], self.max_ngram_size, self.num_tokens)
-        lookup = [continuation[:limit] for continuation, limit in zip(lookup, room.tolist())]
-        found = torch.tensor([len(c) > 0 for c in lookup])
-        use_lookup = found & self.prefers_lookup(rows.cpu())
-        chain = draft_speculator(use_lookup)
-        depths = chain.depths.amax(dim=1).tolist()
-        # A row that drafts from lookup ran no head this step: its speculator score waits for the next one that does.
-        speculator = [None if use else tokens[1 : depth + 1]
-                      for tokens, depth, use in zip(chain.tokens.tolist(), depths, use_lookup.tolist())]  # fmt: skip
-        self.pending = (rows.tolist(), lookup, speculator, lengths[rows].tolist())
-        return hybrid_chain(chain, lookup, use_lookup), use_lookup
+        lookup = [lookup_continuation(sequences[row], self.max_ngram_size, min(self.num_tokens, limit))
+                  for row, limit in zip(rows, room)]  # fmt: skip
+        use_lookup = [bool(found) and prefers for found, prefers in zip(lookup, self.prefers_lookup(rows))]
+        return lookup, use_lookup
 
-    def prefers_lookup(self, rows) -> torch.BoolTensor:
-        return self.lookup_score[rows] > self.speculator_score[rows]
+    def prefers_lookup(self, rows: list[int]) -> list[bool]:
+        return [self.lookup_score[row] > self.speculator_score[row] for row in rows]
 
-    def _score(self, sequences, lengths) -> None:
-        if self.pending is None:
-            return
-        for row, lookup, speculator, before in zip(*self.pending):
-            emitted = sequences[row, before : int(lengths[row])].tolist()
-            if lookup:
-                self.lookup_score[row] = _blend(self.lookup_score[row], _matched(lookup, emitted))
-            if speculator is not None:
-                self.speculator_score[row] = _blend(self.speculator_score[row], _matched(speculator, emitted))
-        self.pending = None
+    def record(self, rows, lookup, use_lookup, drafts, emitted) -> None:
+        """
+        Scores a step: row `rows[i]` verified `drafts[i]` (from lookup where `use_lookup[i]`, whose continuation was
+        `lookup[i]`), and the verifier emitted `emitted[i]`. A row that drafted from lookup ran no head this step: its
+        speculator score waits for the next one that does.
+        """
+        for row, found, use, verified, tokens in zip(rows, lookup, use_lookup, drafts, emitted):
+            if found:
+                self.lookup_score[row] = _blend(self.lookup_score[row], _matched(found, tokens))
+            if not use:
+                self.speculator_score[row] = _blend(self.speculator_score[row], _matched(verified, tokens))
 
 
 def _matched(drafts: list[int], emitted: list[int]) -> int:
@@ -111,23 +98,30 @@ def _blend(score, value: int):
     return (1 - RECENT_WEIGHT) * score + RECENT_WEIGHT * value
 
 
-def hybrid_chain(speculator_chain: DraftTree, lookup: list[list[int]], use_lookup) -> DraftTree:
-    """One chain per row: the lookup continuation where `use_lookup[b]`, else the speculator's drafts."""
-    tokens, last_tokens = speculator_chain.tokens[:, 1:], speculator_chain.tokens[:, 0]
-    lookup_rows = use_lookup.nonzero().squeeze(1).tolist()
-    counts = speculator_chain.depths.amax(dim=1).clone()
-    for row in lookup_rows:
-        counts[row] = len(lookup[row])
-    depth = int(counts.max())
-    candidates = tokens.new_zeros(len(lookup), 1, depth)
-    candidates[:, 0, : min(depth, tokens.shape[1])] = tokens[:, :depth]
-    for row in lookup_rows:
-        candidates[row, 0] = 0
-        candidates[row, 0, : len(lookup[row])] = torch.tensor(lookup[row])
-    chain = tree_from_candidates(candidates, last_tokens, counts)
+def lookup_drafts(lookup: list[list[int]], use_lookup: list[bool], device):
+    """
+    The rows that draft from lookup and their continuations, on the device in one transfer: `(use, drafts)`, where
+    `drafts[i, 0]` is row `i`'s count and `drafts[i, 1:]` its tokens.
+    """
+    width = max([0, *(len(found) for found, use in zip(lookup, use_lookup) if use)])
+    host = [[int(use), *([len(found), *found, *[0] * (width - len(found))] if use else [0] * (width + 1))]
+            for found, use in zip(lookup, use_lookup)]  # fmt: skip
+    host = torch.tensor(host, device=device)
+    return host[:, 0].bool(), host[:, 1:]
+
+
+def with_lookup(speculator_chain: DraftTree, use_lookup, lookup) -> DraftTree:
+    """One chain per row: the `lookup_drafts` where `use_lookup[i]`, else the speculator's drafts."""
+    counts, tokens = lookup[:, 0], lookup[:, 1:]
+    depth = max(speculator_chain.max_depth, tokens.shape[1])
+
+    def widened(t):
+        return torch.cat([t, t.new_zeros(len(t), depth - t.shape[1])], dim=1)
+
+    chain = chain_tree(speculator_chain.tokens[:, 0],
+                       torch.where(use_lookup[:, None], widened(tokens), widened(speculator_chain.tokens[:, 1:])),
+                       torch.where(use_lookup, counts, speculator_chain.limits), depth)  # fmt: skip
     if speculator_chain.confidences is not None:  # the controller learns the speculator's acceptance from them
-        width = min(depth, speculator_chain.confidences.shape[1])
-        chain.confidences = speculator_chain.confidences.new_zeros(len(lookup), depth)
-        chain.confidences[:, :width] = speculator_chain.confidences[:, :width]
+        chain.confidences = widened(speculator_chain.confidences)
     chain.nonfinite = speculator_chain.nonfinite
     return chain

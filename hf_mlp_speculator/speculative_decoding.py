@@ -18,6 +18,16 @@ that finish leave the batch. The price is that masked slots still take attention
 the call. Models whose sliding window counts cache slots could see fewer real tokens than
 their window, so they are refused when the call could overflow it.
 
+On a GPU the host must not wait for the device between kernels. So the loop keeps its tensors on the device and a
+copy of what it decides by on the host (each row's tokens, the rows still generating, the controller's estimates),
+and reads the device once per step (`host_transfer`): after the verifier, what each row accepted. A cost-aware chain
+adds one read after its heads (their confidences, see `controller`), a tree one each way to merge its candidates on
+the host, hybrid drafting one to send its lookup drafts. Timings come from CUDA events read when the device has
+passed them (`cost_model.Stopwatch`).
+
+`SpeculativeBatch` holds the state of one call; each step is `draft`, `verify`, `accept`, and `next_step` drops the
+rows that finished.
+
 Trees use the same slots: all candidates' nodes are verified in one forward with a 4D mask in which each node sees
 the cache and its own ancestors, at position `row position + depth`. Afterwards only the nodes on the longest
 accepted path stay unmasked. This needs a model that accepts a custom 4D attention mask, as transformers' own
@@ -28,7 +38,7 @@ padding changes only the order of floating-point sums, as it does for plain batc
 """
 
 import inspect
-import time
+from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -44,13 +54,14 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .controller import SpeculationController, acceptance_for
-from .cost_model import cost_model_for, synchronize
+from .controller import SpeculationController, Step, acceptance_for
+from .cost_model import Stopwatch, cost_model_for
 from .drafting import DraftTree, draft_chain, draft_tree
+from .host_transfer import to_host
 from .kv_cache import cache_kwargs, pop_prepared_cache
 from .metrics import SpeculationMetrics
 from .position_noise import PositionNoise
-from .prompt_lookup import HybridDrafter
+from .prompt_lookup import HybridDrafter, lookup_drafts, with_lookup
 
 # Processors that read nothing but the scores run once on all rows; any other runs once per distinct row length.
 _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
@@ -80,23 +91,18 @@ def generate_speculatively(
     """
     if stop_string_criterion is not None:
         stopping_criteria.append(stop_string_criterion)
-    heads, config = speculator.speculator, speculator.config
+    config = speculator.config
     num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
-    confidence_threshold = generation_config.assistant_confidence_threshold or 0.0
-    tree = n_candidates is not None or top_k_tokens_per_head is not None
-    if tree:
-        top_k = list(top_k_tokens_per_head or config.top_k_tokens_per_head)
-        n_candidates = n_candidates or config.n_candidates
-        _check_tree(top_k, n_candidates, num_heads)
+    tree = None
+    if n_candidates is not None or top_k_tokens_per_head is not None:
+        tree = (list(top_k_tokens_per_head or config.top_k_tokens_per_head), n_candidates or config.n_candidates)
+        _check_tree(*tree, num_heads)
     hybrid = HybridDrafter.for_call(input_ids.shape[0], generation_config)
     if hybrid is not None and tree:
         raise ValueError(
             "prompt_lookup_num_tokens drafts chains next to the speculator's; it cannot join tree candidates "
             "(n_candidates / top_k_tokens_per_head). Drop one of the two."
         )
-    attention_mask = model_kwargs.get("attention_mask")
-    num_nodes = max(num_heads * (n_candidates or 1), generation_config.prompt_lookup_num_tokens or 0)
-    cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes)
     requested = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name)]
     if requested:
         raise ValueError(
@@ -104,198 +110,288 @@ def generate_speculatively(
             "advance by different numbers of tokens per step. Generate one prompt at a time, greedily and without "
             "n_candidates, for them."
         )
-    # Sampling keyed by position (see `position_noise`): the seed is drawn here, once, from torch's generator.
-    noise = PositionNoise(config.vocab_size, input_ids.device) if generation_config.do_sample else None
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    attention_mask = model_kwargs.get("attention_mask")
+    num_nodes = max(num_heads * (tree[1] if tree else 1), generation_config.prompt_lookup_num_tokens or 0)
+    cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes)
+    batch = SpeculativeBatch(model, speculator, input_ids, attention_mask, cache, generation_config, logits_processor,
+                             stopping_criteria, streamer, tree, hybrid)  # fmt: skip
+    batch.prefill(input_ids)
+    while batch.next_step():
+        batch.accept(*batch.verify(batch.draft()))
+    return batch.finish()
 
-    batch, prompt_length = input_ids.shape
-    pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
-    if pad is None:  # plain generate() pads with the first EOS id then
-        pad = eos[0] if isinstance(eos, list) else eos
-    # int64 whatever the prompt's integer type, as the tokens plain generate() appends are
-    sequences = torch.full((batch, generation_config.max_length), 0 if pad is None else int(pad), dtype=torch.long,
-                           device=input_ids.device)  # fmt: skip
-    sequences[:, :prompt_length] = input_ids
-    lengths = torch.full((batch,), prompt_length, device=input_ids.device)
-    rows = torch.arange(batch, device=input_ids.device)  # the original row of each row still generating
-    metrics = [SpeculationMetrics(num_speculative_tokens=num_heads) for _ in range(batch)]
-    if tree:
-        # A tree of depth d verifies its root and up to n_candidates nodes per depth (fewer where paths share one).
-        widths = [min(n_candidates, _product(top_k[:depth])) for depth in range(1, num_heads + 1)]
-        new_tokens = lambda depth: 1 + sum(widths[:depth])  # noqa: E731
-    else:
-        new_tokens = lambda depth: depth + 1  # noqa: E731
-    kind = "tree" if tree else ("chain, sampled" if noise else "chain, greedy")
-    controller = SpeculationController(
-        lambda rows: cost_model_for(model, rows), acceptance_for(speculator, kind), num_heads, new_tokens,
-        generation_config.num_assistant_tokens_schedule,
-    )  # fmt: skip
-    streamed = prompt_length  # columns of `sequences` handed to the streamer
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
 
-    def process(scores, extra=None, extra_lengths=None):
-        """The logits processors, each row seeing its own tokens followed by `extra[:, :extra_lengths]`."""
-        if not logits_processor:
+class SpeculativeBatch:
+    """
+    The state of one call: every row's tokens (on the device, and on the host as lists), the rows still generating
+    (by their index in the call's batch), their attention mask over the cache slots, the KV cache, and what starts
+    each row's next draft (its last token, the hidden state that emitted it, its next position).
+    """
+
+    def __init__(self, model, speculator, input_ids, attention_mask, cache, generation_config, logits_processor,
+                 stopping_criteria, streamer, tree, hybrid):  # fmt: skip
+        self.model, self.speculator, self.cache = model, speculator, cache
+        self.generation_config, self.logits_processor = generation_config, logits_processor
+        self.stopping_criteria, self.streamer, self.tree, self.hybrid = stopping_criteria, streamer, tree, hybrid
+        config = speculator.config
+        self.num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
+        self.threshold = generation_config.assistant_confidence_threshold or 0.0
+        self.device = input_ids.device
+        # Sampling keyed by position (see `position_noise`): the seed is drawn here, once, from torch's generator.
+        self.noise = PositionNoise(config.vocab_size, self.device) if generation_config.do_sample else None
+        self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        rows, prompt_length = input_ids.shape
+        pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+        if pad is None:  # plain generate() pads with the first EOS id then
+            pad = eos[0] if isinstance(eos, list) else eos
+        self.pad = 0 if pad is None else int(pad)
+        # int64 whatever the prompt's integer type, as the tokens plain generate() appends are
+        self.sequences = torch.full((rows, generation_config.max_length), self.pad, device=self.device)
+        self.sequences[:, :prompt_length] = input_ids
+        self.lengths = torch.full((rows,), prompt_length, device=self.device)
+        self.rows = torch.arange(rows, device=self.device)
+        self.host_tokens = input_ids.tolist()  # each row's tokens, prompt padding included, as `sequences` holds them
+        self.host_rows, self.finished = list(range(rows)), [False] * rows
+        self.metrics = [SpeculationMetrics(num_speculative_tokens=self.num_heads) for _ in range(rows)]
+        if tree:  # a tree of depth d verifies its root and up to n_candidates nodes per depth
+            widths = [min(tree[1], _product(tree[0][:depth])) for depth in range(1, self.num_heads + 1)]
+            new_tokens = lambda depth: 1 + sum(widths[:depth])  # noqa: E731
+        else:
+            new_tokens = lambda depth: depth + 1  # noqa: E731
+        kind = "tree" if tree else ("chain, sampled" if self.noise else "chain, greedy")
+        self.controller = SpeculationController(
+            lambda rows: cost_model_for(model, rows), acceptance_for(speculator, kind), self.num_heads, new_tokens,
+            generation_config.num_assistant_tokens_schedule,
+        )  # fmt: skip
+        self.stopwatch = Stopwatch(self.device)
+        self.streamed = prompt_length  # columns handed to the streamer
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+    def host_lengths(self) -> list[int]:
+        return [len(self.host_tokens[row]) for row in self.host_rows]
+
+    def prefill(self, input_ids) -> None:
+        """The prompt emits the first token, and the hidden state that emitted it starts the first draft."""
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        outputs = _forward(self.model, input_ids, self.mask, positions, self.cache, logits_to_keep=1)
+        self.last_tokens = self.select(self.process(outputs.logits[:, -1].float()))
+        self.hidden = outputs.hidden_states[-1][:, -1]
+        self.next_position = self.mask.sum(-1)
+        _, finished = self.emit(self.last_tokens[:, None], torch.ones_like(self.last_tokens))
+        tokens, self.finished = to_host(self.last_tokens, finished)
+        for row, token in zip(self.host_rows, tokens):
+            self.host_tokens[row].append(token)
+        self.stream()
+
+    def next_step(self) -> bool:
+        """Drops the rows that finished (one transfer to the device when some did); whether any row still generates."""
+        if any(self.finished):
+            keep = [i for i, done in enumerate(self.finished) if not done]
+            if not keep:
+                return False
+            index = torch.tensor(keep, device=self.device)
+            self.cache.batch_select_indices(index)
+            self.rows, self.mask, self.hidden = self.rows[index], self.mask[index], self.hidden[index]
+            self.last_tokens, self.next_position = self.last_tokens[index], self.next_position[index]
+            self.host_rows, self.finished = [self.host_rows[i] for i in keep], [False] * len(keep)
+        self.stopwatch.poll()
+        if self.noise is not None:
+            self.noise.new_step()
+        return True
+
+    def draft(self) -> tuple[DraftTree, "StepRecord"]:
+        """This step's drafts for every row, as deep as the controller and each row's room allow."""
+        room = [max(0, self.generation_config.max_length - length - 1) for length in self.host_lengths()]
+        limits = (self.generation_config.max_length - self.lengths[self.rows] - 1).clamp(min=0, max=self.num_heads)
+        planned = self.controller.start_step(self.cache.get_seq_length(), len(self.host_rows))
+        step = StepRecord(self.controller.step, [False] * len(room))
+        most = min(self.num_heads, max(room))  # a row's verifier forward adds one token of its own
+        hidden = self.hidden.to(self.speculator.device, self.speculator.dtype)
+        heads = self.speculator.speculator
+        mark = self.stopwatch.start()
+        if self.tree:
+            depth = min(planned, most)
+            drafts = draft_tree(heads, hidden, self.last_tokens, limits.clamp(max=depth), depth, *self.tree)
+        else:
+            depth = min(self.controller.chain_depth(planned), most)
+            if self.hybrid is not None:
+                step.lookup, step.from_lookup = self.hybrid.propose(self.host_tokens, self.host_rows, room)
+                use_lookup, lookup = lookup_drafts(step.lookup, step.from_lookup, self.device)
+                limits = torch.where(use_lookup, 0, limits)
+                if all(step.from_lookup):  # no head runs for lookup rows alone
+                    depth = 0
+            drafts = draft_chain(heads, hidden, self.last_tokens, limits.clamp(max=depth), depth, self.process,
+                                 self.select, self.threshold)  # fmt: skip
+        timing = self.stopwatch.stop(mark)
+        if depth:
+            self.stopwatch.report(timing, lambda seconds: self.controller.record_drafts(step.step, depth, seconds))
+        if not self.tree and depth > 1 and self.controller.cuts:
+            drafts = drafts.cut(self.controller.chain_end(*to_host(drafts.confidences, drafts.limits)))
+        if self.hybrid is not None:
+            drafts = with_lookup(drafts, use_lookup, lookup)
+        return drafts, step
+
+    def verify(self, drafts_and_step) -> tuple:
+        """Every row's drafts in one forward: each sees its row's kept cache slots and its own ancestors."""
+        drafts, step = drafts_and_step
+        ancestors = drafts.ancestors()
+        if self.tree:
+            attention = _tree_attention_mask(self.mask, ancestors, self.model.dtype)
+        else:  # a chain is causal: the plain 2D mask, which every model takes
+            attention = torch.cat([self.mask, torch.ones_like(drafts.tokens)], dim=1)
+        positions = self.next_position[:, None] + drafts.depths
+        mark = self.stopwatch.start()
+        outputs = _forward(self.model, drafts.tokens, attention, positions, self.cache,
+                           logits_to_keep=drafts.num_nodes)  # fmt: skip
+        step.timing = self.stopwatch.stop(mark)
+        return drafts, step, ancestors, outputs
+
+    def accept(self, drafts: DraftTree, step: "StepRecord", ancestors, outputs) -> None:
+        """Keeps each row's longest path the verifier confirms, then its own next token: emits them, one transfer."""
+        paths = drafts.paths()
+        best, next_tokens = _accept_greedy(drafts, self.targets(drafts, paths, outputs.logits.float()))
+        batch_rows = torch.arange(len(self.host_rows), device=self.device)
+        accepted = drafts.depths[batch_rows, best]
+        new_tokens = torch.cat([paths[batch_rows, best], next_tokens[:, None]], dim=1)
+        new_tokens[batch_rows, accepted] = next_tokens
+        kept, finished = self.emit(new_tokens, accepted + 1)
+        host = to_host(best, accepted, kept, finished, new_tokens, drafts.tokens, drafts.limits, drafts.confidences,
+                       drafts.nonfinite)  # fmt: skip
+        self.record(drafts, step, *host)
+
+        # Keep the slots of the root and the accepted path; crop the slots that no row kept (the deepest kept slot
+        # of a row is its best node: ancestors come first).
+        self.mask = torch.cat([self.mask, ancestors[batch_rows, best].long()], dim=1)
+        unused = drafts.num_nodes - 1 - max(host[0])
+        if unused:
+            self.cache.crop(-unused)
+            self.mask = self.mask[:, :-unused]
+        self.hidden = outputs.hidden_states[-1][batch_rows, best]
+        self.last_tokens = next_tokens
+        self.next_position = self.next_position + accepted + 1
+
+    def targets(self, drafts: DraftTree, paths, scores) -> torch.LongTensor:
+        """The verifier's token after each node's path, picked from its `scores` as plain decoding would."""
+        host_depths = [drafts.node_depths(i) for i in range(len(self.host_rows))]
+        if self.logits_processor:
+            scores = torch.stack([self.process(scores[:, node], paths[:, node], drafts.depths[:, node],
+                                               [depths[node] for depths in host_depths])
+                                  for node in range(drafts.num_nodes)], dim=1)  # fmt: skip
+        if self.noise is None:
+            return scores.argmax(dim=-1)
+        rows = [row for row in self.host_rows for _ in range(drafts.num_nodes)]
+        positions = [length + depth for length, depths in zip(self.host_lengths(), host_depths) for depth in depths]
+        return self.noise.sample(scores.flatten(0, 1), rows, positions).view(drafts.tokens.shape)
+
+    def record(self, drafts, step, best, accepted, kept, finished, new_tokens, tokens, limits, confidences,
+               nonfinite) -> None:  # fmt: skip
+        """The host's side of a step: tokens, metrics, the controller's estimates, hybrid scores, the streamer."""
+        self.finished = finished
+        emitted = [row_tokens[:count] for row_tokens, count in zip(new_tokens, kept)]
+        for row, row_emitted in zip(self.host_rows, emitted):
+            self.host_tokens[row] += row_emitted
+        for row, drafted, count, lookup, broken in zip(self.host_rows, limits, kept, step.from_lookup, nonfinite):
+            self.metrics[row].record_step(drafted, count - 1, from_lookup=lookup, nonfinite=bool(broken))
+        if self.tree:  # a tree's drafts have no single confidence: one bin holds its acceptance per depth
+            confidences = [[0.5] * self.num_heads for _ in limits]
+        if confidences is not None:  # the speculator's rows only: the controller sizes its chains
+            own = [i for i, lookup in enumerate(step.from_lookup) if not lookup]
+            self.controller.acceptance.record([confidences[i] for i in own], [limits[i] for i in own],
+                                              [accepted[i] for i in own])  # fmt: skip
+        if not any(step.from_lookup):  # lookup drafts may run deeper than the depths the controller weighs
+            depth, nodes = max(limits), drafts.num_nodes
+            self.stopwatch.report(step.timing, lambda s: self.controller.end_step(step.step, depth, s, nodes))
+        if self.hybrid is not None:
+            verified = [row_tokens[1 : limit + 1] for row_tokens, limit in zip(tokens, limits)]
+            self.hybrid.record(self.host_rows, step.lookup, step.from_lookup, verified, emitted)
+        self.stream()
+
+    def process(self, scores, extra=None, depths=None, host_depths=None):
+        """
+        The logits processors, row `i` seeing its own tokens followed by `extra[i, :depths[i]]` (all of `extra` when
+        `depths` is None; `host_depths` is the same on the host).
+        """
+        if not self.logits_processor:
             return scores
-        ids, ends = sequences, lengths[rows]
+        ids, ends, host_ends = self.sequences, self.lengths[self.rows], self.host_lengths()
         if extra is not None and extra.shape[1]:
-            ids = torch.cat([sequences, sequences.new_zeros(batch, extra.shape[1])], dim=1)
-            where = ends[:, None] + torch.arange(extra.shape[1], device=ends.device)
-            ids[rows] = ids[rows].scatter(1, where, extra)
-            ends = ends + (extra.shape[1] if extra_lengths is None else extra_lengths)
-        for processor in logits_processor:
+            width = extra.shape[1]
+            ids = torch.cat([self.sequences, self.sequences.new_zeros(len(ids), width)], dim=1)
+            where = ends[:, None] + torch.arange(width, device=ends.device)
+            ids[self.rows] = ids[self.rows].scatter(1, where, extra)
+            ends = ends + (width if depths is None else depths)
+            host_ends = [end + d for end, d in zip(host_ends, host_depths or [width] * len(host_ends))]
+        for processor in self.logits_processor:
             if isinstance(processor, _SCORES_ONLY):
-                scores = processor(ids[rows], scores)
+                scores = processor(ids[self.rows], scores)
             else:
-                scores = _at_own_lengths(processor, ids, rows, ends, scores)
+                scores = _at_own_lengths(processor, ids, self.rows, ends, host_ends, scores)
         return scores
 
-    def select(scores, depth: int = 0):
+    def select(self, scores, depth: int = 0):
         """Each row's token `depth` places past its last emitted one, from processed `scores`, as the verifier does."""
-        if noise is None:
+        if self.noise is None:
             return scores.argmax(dim=-1)
-        return noise.sample(scores, rows, lengths[rows] + depth)
+        return self.noise.sample(scores, self.host_rows, [length + depth for length in self.host_lengths()])
 
-    def emit(tokens, counts):
-        """Appends up to `counts[r]` of `tokens[r]` to each row, stopping a row where the stopping criteria say."""
+    def emit(self, tokens, counts):
+        """
+        Appends up to `counts[i]` of `tokens[i]` to each row, stopping a row where the stopping criteria say, without
+        reading the device. Returns how many each row kept and whether it finished.
+        """
         kept = torch.zeros_like(counts)
         finished = torch.zeros_like(counts, dtype=torch.bool)
+        ends, host_ends, last = self.lengths[self.rows], self.host_lengths(), self.sequences.shape[1] - 1
         for column in range(tokens.shape[1]):
             live = (column < counts) & ~finished
-            if not live.any():
-                break
-            live_rows = rows[live]
-            sequences[live_rows, lengths[live_rows]] = tokens[live, column]
-            lengths[live_rows] += 1
-            kept[live] += 1
-            stop = _at_own_lengths(
-                lambda ids, _: stopping_criteria(ids, None), sequences, live_rows, lengths[live_rows]
-            )
-            finished[live] = stop.bool()
-        if streamer is not None:
-            stream(rows[~finished])
+            where = (ends + column).clamp(max=last)  # rows not live write back what is there
+            self.sequences[self.rows, where] = torch.where(live, tokens[:, column], self.sequences[self.rows, where])
+            kept += live
+            stop = _at_own_lengths(lambda ids, _: self.stopping_criteria(ids, None), self.sequences, self.rows,
+                                   ends + column + 1, [min(end + column, last) + 1 for end in host_ends])  # fmt: skip
+            finished |= live & stop.bool()
+        self.lengths[self.rows] = ends + kept
         return kept, finished
 
-    def stream(live_rows):
+    def stream(self) -> None:
         """
         Streams whole batches in their original row order, as plain `generate()` does: the columns that every row
         still generating has reached (rows that finished show padding), as one `(batch, columns)` chunk.
         """
-        nonlocal streamed
-        ready = int(lengths[live_rows].min()) if len(live_rows) else int(lengths.max())
-        if ready > streamed:
-            streamer.put(sequences[:, streamed:ready].cpu())
-            streamed = ready
+        if self.streamer is None:
+            return
+        live = [len(self.host_tokens[row]) for row, done in zip(self.host_rows, self.finished) if not done]
+        ready = min(live) if live else max(map(len, self.host_tokens))
+        if ready > self.streamed:
+            chunk = [(row + [self.pad] * ready)[self.streamed : ready] for row in self.host_tokens]
+            self.streamer.put(torch.tensor(chunk))
+            self.streamed = ready
 
-    # Prefill: the prompt emits the first token, and the hidden state that emitted it starts the first draft.
-    outputs = _forward(model, input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache, logits_to_keep=1)
-    last_tokens = select(process(outputs.logits[:, -1].float()))
-    hidden = outputs.hidden_states[-1][:, -1]
-    next_position = mask.sum(-1)
-    _, finished = emit(last_tokens[:, None], torch.ones_like(last_tokens))
+    def finish(self):
+        """What `generate()` returns; the call's metrics go on the speculator."""
+        self.stopwatch.poll(wait=True)
+        if self.streamer is not None:
+            self.streamer.end()
+        speculator, num_heads = self.speculator, self.num_heads
+        speculator.speculation_metrics_per_row = self.metrics
+        speculator.speculation_metrics = sum(self.metrics, SpeculationMetrics(num_speculative_tokens=num_heads))
+        self.controller.report_to(speculator.speculation_metrics)
+        output = self.sequences[:, : max(map(len, self.host_tokens))]
+        if self.generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=output)
+        return output
 
-    while True:
-        keep = ~finished
-        if not keep.all():
-            cache.batch_select_indices(keep.nonzero().squeeze(1))
-            rows, mask, hidden = rows[keep], mask[keep], hidden[keep]
-            last_tokens, next_position = last_tokens[keep], next_position[keep]
-        if not len(rows):
-            break
-        if noise is not None:
-            noise.new_step()
 
-        # A row's verifier forward adds one token of its own: never draft past max_length.
-        room = (generation_config.max_length - lengths[rows] - 1).clamp(min=0)
-        num_drafts = room.clamp(max=num_heads)
-        planned = controller.start_step(cache.get_seq_length(), len(rows))
-        if tree:  # a tree's drafts come all at once: its depth is the one planned
-            num_drafts = num_drafts.clamp(max=planned)
-        elif planned == 0:  # the speculator's drafts would not pay; prompt lookup's still may
-            num_drafts = torch.zeros_like(num_drafts)
-        spec_hidden = hidden.to(speculator.device, speculator.dtype)
+@dataclass
+class StepRecord:
+    """The host's record of a step: the controller's step, which rows drafted from prompt lookup (and what lookup
+    proposed), and the timing of the verifier's forward."""
 
-        def speculator_chain(skip=None):
-            limits = num_drafts if skip is None else torch.where(skip.to(num_drafts.device), 0, num_drafts)
-            chain = draft_chain(heads, spec_hidden, last_tokens, limits, process, select, confidence_threshold,
-                                controller.keep_drafting)  # fmt: skip
-            return _to_device(chain, input_ids.device)
-
-        from_lookup = torch.zeros_like(rows, dtype=torch.bool)
-        if tree:
-            drafts = _to_device(draft_tree(heads, spec_hidden, last_tokens, num_drafts, top_k, n_candidates),
-                                input_ids.device)  # fmt: skip
-        elif hybrid is not None:
-            drafts, from_lookup = hybrid(speculator_chain, sequences, lengths, rows, room)
-        else:
-            drafts = speculator_chain()
-        num_drafts = drafts.depths.amax(dim=1)  # fewer than asked where a chain stopped at an unsure draft
-
-        # Verify every row's drafts in one forward.
-        ancestors = drafts.ancestors()
-        if tree:
-            attention = _tree_attention_mask(mask, ancestors, model.dtype)
-        else:  # a chain is causal: the plain 2D mask, which every model takes
-            attention = torch.cat([mask, torch.ones_like(drafts.tokens)], dim=1)
-        positions = next_position[:, None] + drafts.depths
-        synchronize(input_ids.device)
-        start = time.perf_counter()
-        outputs = _forward(model, drafts.tokens, attention, positions, cache, logits_to_keep=drafts.num_nodes)
-        synchronize(input_ids.device)
-        if not from_lookup.any():  # lookup drafts may run deeper than the depths the controller weighs
-            controller.end_step(int(num_drafts.max()), time.perf_counter() - start, drafts.num_nodes)
-        paths = drafts.paths()
-        scores = outputs.logits.float()
-        if logits_processor:
-            scores = torch.stack(
-                [process(scores[:, node], paths[:, node], drafts.depths[:, node]) for node in range(drafts.num_nodes)],
-                dim=1,
-            )
-        if noise is None:
-            targets = scores.argmax(dim=-1)
-        else:
-            node_rows, positions = rows[:, None].expand_as(drafts.depths), lengths[rows, None] + drafts.depths
-            targets = noise.sample(scores.flatten(0, 1), node_rows.flatten(), positions.flatten()).view_as(positions)
-        best, next_tokens = _accept_greedy(drafts, targets)
-
-        batch_rows = torch.arange(len(rows), device=rows.device)
-        accepted = drafts.depths[batch_rows, best]
-        new_tokens = torch.cat([paths[batch_rows, best], next_tokens[:, None]], dim=1)
-        new_tokens[batch_rows, accepted] = next_tokens
-        kept, finished = emit(new_tokens, accepted + 1)
-        if tree:  # a tree's drafts have no single confidence: one bin holds its acceptance per depth
-            confidences = torch.full((len(rows), num_heads), 0.5, dtype=torch.float64)
-        else:
-            confidences = drafts.confidences
-        if confidences is not None:  # the speculator's rows only: the controller sizes its chains
-            own = ~from_lookup
-            controller.acceptance.record(confidences[own], num_drafts[own].tolist(), accepted[own].tolist())
-        nonfinite = drafts.nonfinite if drafts.nonfinite is not None else torch.zeros_like(from_lookup)
-        for row, drafted, emitted, lookup, broken in zip(rows.tolist(), num_drafts.tolist(), kept.tolist(),
-                                                         from_lookup.tolist(), nonfinite.tolist()):  # fmt: skip
-            metrics[row].record_step(drafted, emitted - 1, from_lookup=lookup, nonfinite=broken)
-
-        # Keep the slots of the root and the accepted path; crop the slots that no row kept.
-        kept_slots = ancestors[batch_rows, best]
-        mask = torch.cat([mask, kept_slots.long()], dim=1)
-        unused = drafts.num_nodes - 1 - int(kept_slots.any(dim=0).nonzero().max())
-        if unused:
-            cache.crop(-unused)
-            mask = mask[:, :-unused]
-        hidden = outputs.hidden_states[-1][batch_rows, best]
-        last_tokens = next_tokens
-        next_position = next_position + accepted + 1
-
-    if streamer is not None:
-        streamer.end()
-    speculator.speculation_metrics_per_row = metrics
-    speculator.speculation_metrics = sum(metrics, SpeculationMetrics(num_speculative_tokens=num_heads))
-    controller.report_to(speculator.speculation_metrics)
-    output = sequences[:, : int(lengths.max())]
-    if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=output)
-    return output
+    step: Step
+    from_lookup: list[bool]
+    lookup: list[list[int]] | None = None
+    timing: object = None
 
 
 def _product(values) -> int:
@@ -316,22 +412,21 @@ def _accept_greedy(drafts: DraftTree, targets: torch.LongTensor):
     return best, targets[rows, best]
 
 
-def _at_own_lengths(fn, ids, rows, ends, values=None):
+def _at_own_lengths(fn, ids, rows, ends, host_ends: list[int], values=None):
     """
-    `fn(ids[:, :end], values)` for each row of `rows` at its own length `ends[i]`, called as plain `generate()` calls
-    logits processors and stopping criteria: on the whole batch, in its original order (some keep per-row state, such
-    as the repetition penalty's prompt padding), once per distinct length. `values` holds one entry per row of `rows`.
+    `fn(ids[:, :end], values)` for each row of `rows` at its own length `ends[i]` (`host_ends[i]` on the host), called
+    as plain `generate()` calls logits processors and stopping criteria: on the whole batch, in its original order
+    (some keep per-row state, such as the repetition penalty's prompt padding), once per distinct length. `values`
+    holds one entry per row of `rows`. Nothing is read from the device.
     """
     full = None if values is None else values.new_zeros((ids.shape[0], *values.shape[1:]))
     if full is not None:
         full[rows] = values
     out = None
-    for end in ends.unique().tolist():
-        hit = ends == end
-        result = fn(ids[:, :end], None if full is None else full.clone())
-        if out is None:
-            out = result.new_zeros((len(rows), *result.shape[1:]))
-        out[hit] = result[rows[hit]]
+    for end in sorted(set(host_ends)):
+        result = fn(ids[:, :end], None if full is None else full.clone())[rows]
+        hit = (ends == end).view(-1, *[1] * (result.dim() - 1))
+        out = torch.where(hit, result, torch.zeros_like(result) if out is None else out)
     return out
 
 
@@ -347,12 +442,6 @@ def _tree_attention_mask(mask, ancestors, dtype):
     nodes = ancestors.shape[1]
     allowed = torch.cat([mask.bool()[:, None].expand(-1, nodes, -1), ancestors], dim=-1)[:, None]
     return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def _to_device(drafts: DraftTree, device) -> DraftTree:
-    return DraftTree(*(None if t is None else t.to(device) for t in (drafts.tokens, drafts.parents, drafts.depths,
-                                                                     drafts.valid, drafts.confidences,
-                                                                     drafts.nonfinite)))  # fmt: skip
 
 
 def _check_tree(top_k: list[int], n_candidates: int, num_heads: int) -> None:

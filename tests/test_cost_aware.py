@@ -63,8 +63,10 @@ def test_controller_follows_the_confidence_of_the_drafts_made():
         acceptance.record(torch.full((60, 3), confidence, dtype=torch.float64), [3] * 60, [3 * accepted] * 60)
     controller = controller_with(costs, acceptance, cap=3)
     assert controller.start_step(cache_length=100, rows=1) >= 1
-    assert controller.keep_drafting(torch.tensor([[0.97]]), torch.tensor([True]))
-    assert not controller.keep_drafting(torch.tensor([[0.97, 0.02]]), torch.tensor([True]))
+    # A chain goes on past a confident draft and ends after an unsure one; a row whose chain ended weighs nothing.
+    assert controller.chain_end([[0.97, 0.02, 0.97]], [3]) == 2
+    assert controller.chain_end([[0.97, 0.97, 0.97]], [3]) == 3
+    assert controller.chain_end([[0.97, 0.97, 0.97]], [1]) == 1
 
 
 def test_cost_model_recovers_a_synthetic_cost_curve():
@@ -101,7 +103,7 @@ def test_every_depth_is_timed_once_then_exploration_stays_within_its_share():
         for _ in range(400):
             depth = controller.start_step(cache_length=50, rows=1)
             fake["now"] += 1.0 + depth  # verifying costs 1 s per token: only plain steps pay
-            controller.end_step(depth, 1.0 + depth)
+            controller.end_step(controller.step, depth, 1.0 + depth)
             chosen.append(depth)
     finally:
         time.perf_counter = original

@@ -3,70 +3,58 @@
 import pytest
 import torch
 from conftest import make_speculator, make_verifier
-from hf_mlp_speculator.drafting import tree_from_candidates
-from hf_mlp_speculator.prompt_lookup import HybridDrafter, lookup_continuations
+from hf_mlp_speculator.drafting import chain_tree
+from hf_mlp_speculator.prompt_lookup import HybridDrafter, lookup_continuation, lookup_drafts, with_lookup
 from test_sampling import chi_square_p_value, exact_distribution, sampled_counts, sharp_pair
 
 NEW_TOKENS = 4
 
 
 def test_lookup_takes_the_longest_ngram_at_its_latest_occurrence():
-    sequences = torch.tensor([
+    sequences = [
         [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7],  # "6 7" occurs twice before the end: the latest one is followed by 9 2
         [5, 6, 7, 8, 1, 2, 7, 9, 3, 6, 7],  # "6 7" once (then 8 1 2 ...); "7" alone occurs later, but is shorter
         [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 0],  # no earlier "9 0", and no earlier "0"
-        [4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0],  # the suffix within its own length: "4 4" right before it, then its last 4
-    ])  # fmt: skip
-    lengths = torch.tensor([11, 11, 11, 4])
-    assert lookup_continuations(sequences, lengths, max_ngram_size=2, num_tokens=3) == [
+        [4, 4, 4, 4],  # "4 4" right before the suffix, then its last 4
+    ]  # fmt: skip
+    assert [lookup_continuation(ids, max_ngram_size=2, num_tokens=3) for ids in sequences] == [
         [9, 2, 6], [8, 1, 2], [], [4]
     ]  # fmt: skip
     # A one-token match where two tokens find none ("2 7" is new, "7" is not); the cut to num_tokens.
-    assert lookup_continuations(sequences[1:2], torch.tensor([7]), 2, 10) == [[8, 1, 2, 7]]
-    assert lookup_continuations(sequences[:1], lengths[:1], max_ngram_size=2, num_tokens=1) == [[9]]
-
-
-def chain(tokens_per_row, last_tokens, asked=None):
-    """What the speculator drafts (the same drafts for every row): `draft_speculator(skip)` for HybridDrafter, which
-    records in `asked` the rows it was told to skip."""
-
-    def draft_speculator(skip):
-        if asked is not None:
-            asked.append(skip.tolist())
-        candidates = torch.tensor(tokens_per_row)[:, None]
-        counts = torch.tensor([0 if s else len(t) for t, s in zip(tokens_per_row, skip.tolist())])
-        return tree_from_candidates(candidates, torch.tensor(last_tokens), counts)
-
-    return draft_speculator
+    assert lookup_continuation(sequences[1][:7], 2, 10) == [8, 1, 2, 7]
+    assert lookup_continuation(sequences[0], max_ngram_size=2, num_tokens=1) == [9]
 
 
 def test_each_row_drafts_from_the_source_that_lately_matched_longer():
     """Row 0 copies its prompt: after one step the lookup, which matched what was emitted, drafts it. Row 1's lookup
     matched nothing the verifier then wrote, and the speculator keeps drafting."""
     hybrid = HybridDrafter(2, num_tokens=4, max_ngram_size=2)
-    sequences = torch.zeros(2, 30, dtype=torch.long)
-    sequences[0, :8] = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2])
-    sequences[1, :8] = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2])
-    lengths, rows, room = torch.tensor([8, 8]), torch.tensor([0, 1]), torch.tensor([20, 20])
-    drafts, from_lookup = hybrid(chain([[9, 9], [9, 9]], [2, 2]), sequences, lengths, rows, room)
-    assert from_lookup.tolist() == [False, False]  # nothing observed yet: the speculator's chain
-    assert drafts.tokens.tolist() == [[2, 9, 9], [2, 9, 9]]
+    sequences = [[1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 3, 4, 5, 6, 1, 2]]
+    lookup, use_lookup = hybrid.propose(sequences, [0, 1], [20, 20])
+    assert lookup == [[3, 4, 5, 6], [3, 4, 5, 6]] and use_lookup == [False, False]  # nothing observed yet
 
-    # The verifier wrote "3 4" in row 0 (the lookup's continuation) and "7 8" in row 1.
-    sequences[0, 8:10], sequences[1, 8:10] = torch.tensor([3, 4]), torch.tensor([7, 8])
-    lengths = torch.tensor([10, 10])
-    asked = []
-    drafts, from_lookup = hybrid(chain([[9, 9], [9, 9]], [4, 8], asked), sequences, lengths, rows, room)
-    assert from_lookup.tolist() == [True, False] and asked == [[True, False]]  # no heads for row 0
-    assert drafts.tokens[0].tolist() == [4, 5, 6, 1, 2] and drafts.valid[0].all()
-    assert drafts.tokens[1, :3].tolist() == [8, 9, 9] and drafts.valid[1].tolist() == [True] * 3 + [False] * 2
+    # The speculator drafted 9 9 in both rows; the verifier wrote "3 4" in row 0 (the lookup's continuation) and "7 8"
+    # in row 1.
+    hybrid.record([0, 1], lookup, use_lookup, [[9, 9], [9, 9]], [[3, 4], [7, 8]])
+    sequences[0] += [3, 4]
+    sequences[1] += [7, 8]
+    lookup, use_lookup = hybrid.propose(sequences, [0, 1], [20, 20])
+    assert use_lookup == [True, False] and lookup[0] == [5, 6, 1, 2]
+
+    # On the device: row 0's chain is its lookup continuation (no heads ran for it), row 1's the speculator's.
+    use, drafts = lookup_drafts(lookup, use_lookup, "cpu")
+    speculator_chain = chain_tree(torch.tensor([4, 8]), torch.tensor([[0, 0], [9, 9]]), torch.tensor([0, 2]), 2)
+    merged = with_lookup(speculator_chain, use, drafts)
+    assert merged.tokens[0].tolist() == [4, 5, 6, 1, 2] and merged.valid[0].all()
+    assert merged.tokens[1, :3].tolist() == [8, 9, 9] and merged.valid[1].tolist() == [True] * 3 + [False] * 2
 
     # A row that left the batch keeps its scores under its original index; room caps the lookup draft. Row 0's
     # speculator score did not move while it drafted from lookup.
-    sequences[0, 10:14] = torch.tensor([5, 6, 1, 2])
-    speculator_score = hybrid.speculator_score.clone()
-    drafts, from_lookup = hybrid(chain([[9, 9]], [2]), sequences, torch.tensor([14, 10]), rows[:1], torch.tensor([1]))
-    assert from_lookup.tolist() == [True] and drafts.tokens.tolist() == [[2, 3]]
+    speculator_score = list(hybrid.speculator_score)
+    hybrid.record([0, 1], lookup, use_lookup, [[5, 6, 1, 2], [9, 9]], [[5, 6, 1, 2, 3], [1]])
+    sequences[0] += [5, 6, 1, 2, 3]
+    lookup, use_lookup = hybrid.propose(sequences, [0], [1])
+    assert use_lookup == [True] and lookup == [[4]]
     assert hybrid.speculator_score[0] == speculator_score[0] and hybrid.lookup_score[0] > speculator_score[0]
 
 
@@ -127,7 +115,7 @@ def test_hybrid_sampling_matches_the_verifier_distribution(copying_truth, rows, 
     """Four tokens are too few for the running scores to pick lookup often: here a coin picks each row's source
     each step instead, which, like the scores, knows nothing of the verifier's view of the step."""
     verifier, speculator, probs = copying_truth
-    monkeypatch.setattr(HybridDrafter, "prefers_lookup", lambda self, rows: torch.rand(len(rows)) < 0.7)
+    monkeypatch.setattr(HybridDrafter, "prefers_lookup", lambda self, rows: (torch.rand(len(rows)) < 0.7).tolist())
     counts, drafted, accepted = hybrid_sample_counts(verifier, speculator, COPYING_PROMPT, rows,
                                                      speculative_sampling=sampling)  # fmt: skip
     assert 0.1 * drafted < accepted < 0.9 * drafted  # lookup drafts were both accepted and rejected, often

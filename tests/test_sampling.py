@@ -124,7 +124,7 @@ def noise_blind_to_position(monkeypatch):
     """Breaks the keying: every position of a row gets the same noise (each token is still a sample of its own
     distribution, but the tokens of a row are no longer independent)."""
     real = PositionNoise.at
-    monkeypatch.setattr(PositionNoise, "at", lambda self, rows, positions: real(self, rows, 0 * positions))
+    monkeypatch.setattr(PositionNoise, "at", lambda self, rows, positions: real(self, rows, [0] * len(positions)))
 
 
 def test_rejection_sampling_matches_the_verifier_distribution(pair_and_truth):
@@ -201,7 +201,7 @@ def keyed_plain_sampling(verifier, input_ids, attention_mask, seed: int, max_new
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             logits = verifier(ids, attention_mask=mask, position_ids=positions).logits[:, -1] / TEMPERATURE
             scores = logits.masked_fill(logits < logits.topk(TOP_K).values[:, -1:], float("-inf"))
-            token = noise.sample(scores, rows, torch.full_like(rows, ids.shape[1]))
+            token = noise.sample(scores, rows.tolist(), [ids.shape[1]] * len(rows))
             ids, mask = torch.cat([ids, token[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     return ids
 

@@ -72,7 +72,7 @@ def test_draft_tree_keeps_the_most_likely_paths():
     hidden, token = torch.randn(1, 64), torch.tensor([4])
     top_k, n = [3, 2, 2], 5
     with torch.no_grad():
-        tree = draft_tree(heads, hidden, token, torch.tensor([3]), top_k, n)
+        tree = draft_tree(heads, hidden, token, torch.tensor([3]), 3, top_k, n)
         paths = []
 
         def walk(state, last, head, tokens, score):

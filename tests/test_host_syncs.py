@@ -1,0 +1,90 @@
+"""How often decoding makes a GPU wait for the host: reads of device values and tensors built from host values.
+
+On CUDA each `.tolist()`, `.item()`, `.cpu()`, `int(t)` / `bool(t)` / `float(t)` / `t.__index__()` of a tensor, and each
+`torch.tensor(..., device=...)`, waits for all queued work. On CPU nothing waits, but the same calls happen: counting
+them here, per verifier forward, is the count a GPU would pay. Only calls made by this package count; transformers'
+own loop (batch 1) makes its own, reported apart.
+"""
+
+import sys
+
+import pytest
+import torch
+from conftest import make_prompt, make_speculator, make_verifier
+from torch.overrides import TorchFunctionMode
+
+READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+BUILDS = {"tensor", "as_tensor"}
+PACKAGE = "hf_mlp_speculator"
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts, by `file:line`, the calls above made from this package's code (`ours`) and from elsewhere (`others`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ours, self.others = {}, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in READS or (name in BUILDS and kwargs.get("device") is not None):
+            caller = sys._getframe(1).f_code
+            if f"/{PACKAGE}/" in caller.co_filename:
+                where = f"{caller.co_filename.split(f'/{PACKAGE}/')[1]}:{caller.co_name} {name}"
+                self.ours[where] = self.ours.get(where, 0) + 1
+            else:
+                self.others += 1
+        return func(*args, **kwargs)
+
+
+def count_syncs(rows: int, max_new_tokens: int = 30, **generate_kwargs):
+    """(our syncs, verifier forwards, where they were, transformers' syncs) of one speculative `generate()` call."""
+    verifier, speculator = make_verifier(), make_speculator(n_predict=3)
+    prompts = torch.cat([make_prompt(seed=row) for row in range(rows)])
+    forwards = []
+    verifier.register_forward_hook(lambda *args: forwards.append(1))
+    with HostSyncs() as syncs:
+        verifier.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=max_new_tokens,
+                          assistant_model=speculator, **generate_kwargs)  # fmt: skip
+    return sum(syncs.ours.values()), len(forwards), syncs.ours, syncs.others
+
+
+# Syncs per verifier forward, and per call (the prompt read once, the seed, rows leaving the batch as they finish).
+CASES = {
+    "batch 1, chain": (1, {}, 1),
+    "batch 3, chain": (3, {}, 1),
+    "batch 1, sampled": (1, {"do_sample": True}, 1),
+    "batch 3, sampled": (3, {"do_sample": True}, 1),
+    "batch 3, tree": (3, {"n_candidates": 3}, 3),  # merged on the host: its candidates back, its nodes out
+    "batch 1, hybrid": (1, {"prompt_lookup_num_tokens": 3}, 3),  # the emitted text back, lookup drafts out
+    "batch 3, hybrid": (3, {"prompt_lookup_num_tokens": 3}, 2),  # lookup drafts out
+}
+PER_CALL = 2
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_syncs_per_step_within_budget(case):
+    """Every step drafts all heads here (the tests' fixture): one read per step, after the verifier."""
+    rows, kwargs, per_step = CASES[case]
+    ours, forwards, where, _ = count_syncs(rows, **kwargs)
+    assert forwards > 10
+    assert ours <= per_step * forwards + PER_CALL + rows, where
+
+
+@pytest.mark.cost_aware
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cost_aware_chains_read_their_confidences_once_per_step(rows):
+    """The controller ends a chain by its drafts' confidences: at most one more read per step, never one per head."""
+    torch.manual_seed(0)
+    ours, forwards, where, _ = count_syncs(rows, max_new_tokens=40)
+    assert ours <= 2 * forwards + PER_CALL + rows, where
+
+
+def test_no_device_wide_synchronize(monkeypatch):
+    """Timings come from CUDA events read when ready, never from `torch.cuda.synchronize()`."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: calls.append(1))
+    count_syncs(3)
+    count_syncs(1)
+    assert calls == []
