@@ -98,6 +98,12 @@ class SpeculatorTrainingArguments:
     mixed_precision: str | None = field(
         default=None, metadata={"help": "no, fp16 or bf16 for the speculator; default: accelerate's config."}
     )
+    fsdp: bool = field(
+        default=False,
+        metadata={"help": "Shard the speculator's parameters, gradients and optimizer state across the processes "
+                  "(FSDP2), for a speculator whose training state does not fit one device. Needs several processes "
+                  "(torchrun / accelerate launch)."},
+    )  # fmt: skip
     resume: bool = field(default=False, metadata={"help": "Continue the run whose checkpoints are in output_dir."})
     seed: int = field(default=0, metadata={"help": "Seed of the initialisation, the data order and any sampling."})
     report_to: str | None = field(
@@ -147,6 +153,10 @@ class SpeculatorTrainingArguments:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if self.fsdp and self.mixed_precision == "fp16":
+            raise ValueError(
+                "fsdp with mixed_precision fp16 is not supported (its loss scaler does not shard): use bf16, or no."
+            )
 
     def result_settings(self) -> dict:
         """The settings that decide what the run computes, which a resumed run must share with the one it continues

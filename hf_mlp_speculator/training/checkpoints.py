@@ -97,14 +97,17 @@ def claim_output_dir(output_dir: Path, settings: dict, resume: bool) -> None:
     write_atomically(run_file, json.dumps(settings, indent=1, sort_keys=True))
 
 
-def save_checkpoint(speculator, optimizer, state: TrainerState, output_dir: Path, keep: int) -> None:
-    """Writes `checkpoint-{step}` atomically (a loadable speculator, the optimizer and the state), keeping `keep`."""
+def save_checkpoint(speculator, optimizer_state: dict, state: TrainerState, output_dir: Path, keep: int) -> None:
+    """
+    Writes `checkpoint-{step}` atomically (a loadable speculator, the optimizer's state dict and the trainer's state),
+    keeping `keep`.
+    """
     final, tmp = output_dir / f"checkpoint-{state.step}", output_dir / f".tmp-checkpoint-{state.step}"
     for stale in output_dir.glob(".tmp-checkpoint-*"):
         shutil.rmtree(stale)
     tmp.mkdir(parents=True)
     speculator.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer_state, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(dataclasses.asdict(state), indent=1))
     fsync_tree(tmp)
     os.replace(tmp, final)
@@ -117,11 +120,15 @@ def save_checkpoint(speculator, optimizer, state: TrainerState, output_dir: Path
         shutil.rmtree(trash)
 
 
-def load_checkpoint(path: Path, speculator, optimizer, device) -> TrainerState:
-    """Restores weights, optimizer and state from a checkpoint of this run (`claim_output_dir` checked its shape)."""
-    speculator.load_state_dict(MLPSpeculatorPreTrainedModel.from_pretrained(path).state_dict())
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+def load_checkpoint(path: Path) -> tuple[dict, dict, TrainerState]:
+    """
+    The weights, the optimizer's state dict and the trainer's state of a checkpoint of this run (`claim_output_dir`
+    checked its shape).
+    """
+    weights = MLPSpeculatorPreTrainedModel.from_pretrained(path).state_dict()
+    # On the CPU: loading the state into the optimizer moves it to the parameters' device.
+    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    return weights, optimizer_state, TrainerState(**json.loads((path / "trainer_state.json").read_text()))
 
 
 def save_final(speculator, state: TrainerState, output_dir: Path) -> None:

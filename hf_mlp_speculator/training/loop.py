@@ -8,9 +8,10 @@
 3. The held-out score is the one inference sees: along the base model's greedy continuations of held-out prompts, how
    often head i's draft is accepted (heads 0..i all right), and the expected tokens per verifier step that follows.
 
-Runs as it is on one CPU, and under `accelerate launch` on many processes (DDP). A global batch holds
-`batch_size x processes x gradient_accumulation_steps` positions, the same ones whatever the process count, and its
-loss is a token mean over all of them.
+Runs as it is on one CPU, and under `accelerate launch` or `torchrun` on many processes: DDP, or with `fsdp` the
+speculator sharded across them (`sharding`). A global batch holds `batch_size x processes x
+gradient_accumulation_steps` positions, the same ones whatever the process count, and its loss is a token mean over
+all of them.
 """
 
 import contextlib
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import is_tensorboard_available
+from torch.utils._pytree import tree_map
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
@@ -34,6 +36,7 @@ from .checkpoints import TrainerState, claim_output_dir, latest_checkpoint, load
 from .initialization import initialize_from_base
 from .losses import acceptance_counts, draft_index, token_losses
 from ..progress import Progress
+from .sharding import gathered, restore, shard
 from .targets import Targets
 from .training_data import build_training_data
 
@@ -167,8 +170,8 @@ def evaluate(speculator, targets: Targets, args, accelerator) -> dict:
     losses, counts, positions = 0, 0, targets.draft_positions()
     for rows in positions.split(2048):
         batch = targets.batch(rows, args.n_predict).to(device)
-        with accelerator.autocast():
-            logits = model.speculator(batch.states[:, None], batch.input_ids)[:, :, 0]
+        with accelerator.autocast():  # through the outer module, which gathers sharded weights
+            logits = speculator(batch.states[:, None], batch.input_ids).logits[:, :, 0]
         losses = losses + token_losses(logits, batch, index, args.loss).sum(1)
         counts = counts + acceptance_counts(logits, batch, heads.draft_vocab)
     model.train()
@@ -219,7 +222,9 @@ class OptimizerStep:
         for micro_step, micro in enumerate(mine):
             micro = micro.to(accelerator.device)
             last = micro_step == len(mine) - 1
-            with accelerator.no_sync(speculator) if not last else contextlib.nullcontext():
+            if args.fsdp:  # gradients are reduce-scattered after the last micro-batch only
+                speculator.set_requires_gradient_sync(last)
+            with accelerator.no_sync(speculator) if not last and not args.fsdp else contextlib.nullcontext():
                 with accelerator.autocast():
                     logits = speculator(micro.states[:, None], micro.input_ids).logits[:, :, 0]
                 losses = token_losses(logits, micro, self.index, args.loss).sum(1)
@@ -242,7 +247,8 @@ class OptimizerStep:
         backward), and afterwards the weights and the optimizer are put back as they were.
         """
         weights = {k: v.clone() for k, v in self.speculator.state_dict().items()}
-        optimizer_state = copy.deepcopy(self.optimizer.state_dict())
+        optimizer_state = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v),
+                                   self.optimizer.state_dict())  # fmt: skip
         times = []
         for _ in range(TIMED_STEPS):
             start = time.perf_counter()
@@ -257,10 +263,13 @@ def start_or_resume(args, output_dir: Path, optimizer_step: OptimizerStep, epoch
     """The state of a fresh run, with its planned steps, or the one its latest checkpoint left (`--resume`)."""
     checkpoint = latest_checkpoint(output_dir) if args.resume else None
     if checkpoint is not None:
-        accelerator = optimizer_step.accelerator
-        state = load_checkpoint(
-            checkpoint, accelerator.unwrap_model(optimizer_step.speculator), optimizer_step.optimizer, accelerator.device
-        )
+        accelerator, optimizer = optimizer_step.accelerator, optimizer_step.optimizer
+        weights, optimizer_state, state = load_checkpoint(checkpoint)
+        if args.fsdp:
+            restore(optimizer_step.speculator, optimizer, weights, optimizer_state)
+        else:
+            accelerator.unwrap_model(optimizer_step.speculator).load_state_dict(weights)
+            optimizer.load_state_dict(optimizer_state)
         logger.info(f"Resumed from {checkpoint} at step {state.step} of {state.total_steps}.")
         return state
     if args.resume:
@@ -276,6 +285,11 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision, log_with=_trackers(args.report_to), project_dir=output_dir
     )
+    if args.fsdp and accelerator.num_processes < 2:
+        raise ValueError(
+            "--fsdp shards the speculator across processes, and this run has one. Launch it on several (torchrun "
+            "--nproc-per-node N -m hf_mlp_speculator.training ..., or accelerate launch), or drop --fsdp."
+        )
     if accelerator.is_main_process:
         claim_output_dir(output_dir, args.result_settings(), args.resume)
     accelerator.wait_for_everyone()
@@ -290,11 +304,14 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     torch.manual_seed(args.seed)  # the same initial speculator on every process, whatever was cached
     speculator = make_speculator(args, base, data.train)
     del base  # the rest needs only the targets
+    if args.fsdp:  # sharded before the optimizer is made, so that its state is sharded too
+        speculator = shard(speculator.to(accelerator.device))
     optimizer = torch.optim.AdamW(
         weight_decay_groups(speculator, args.weight_decay), lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
     )  # fmt: skip
-    speculator, optimizer = accelerator.prepare(speculator, optimizer)
+    if not args.fsdp:
+        speculator, optimizer = accelerator.prepare(speculator, optimizer)
     rows_per_step = args.batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     epochs = Epochs(data.train, rows_per_step, args.seed)
     optimizer_step = OptimizerStep(speculator, optimizer, data.train, epochs, args, accelerator)
@@ -334,19 +351,27 @@ def train(args: SpeculatorTrainingArguments) -> Path:
             progress.write(eval_line(metrics, state.step, args.n_predict))
         if "eval/loss" in metrics or state.step % args.logging_steps == 0:
             log(metrics)
-        if saving and accelerator.is_main_process:
-            save_checkpoint(accelerator.unwrap_model(speculator), optimizer, state, output_dir, args.save_total_limit)
         if saving:
+            whole, optimizer_state = whole_state(speculator, optimizer, args, accelerator)
+            if accelerator.is_main_process:
+                save_checkpoint(whole, optimizer_state, state, output_dir, args.save_total_limit)
             accelerator.wait_for_everyone()
     progress.close()
 
+    final, _ = whole_state(speculator, None, args, accelerator)
     if accelerator.is_main_process:
-        final = accelerator.unwrap_model(speculator)
         save_final(final, state, output_dir)
         publish(final, state, args)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return output_dir
+
+
+def whole_state(speculator, optimizer, args, accelerator):
+    """The whole speculator and the optimizer's state dict, to save (gathered from the shards with `fsdp`)."""
+    if args.fsdp:
+        return gathered(speculator, optimizer)
+    return accelerator.unwrap_model(speculator), None if optimizer is None else optimizer.state_dict()
 
 
 def eval_line(metrics: dict, step: int, n_predict: int) -> str:

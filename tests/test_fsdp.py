@@ -1,0 +1,154 @@
+"""FSDP training on CPU: two processes (gloo) with the speculator sharded match one process, resume exactly after a
+SIGKILL, and publish a whole speculator that loads and decodes losslessly."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_training import CLI_ENV, as_flags, assert_same_weights, history, one_thread, toy, toy_args, weights  # noqa: F401
+from transformers import AutoModel, AutoModelForCausalLM
+
+from hf_mlp_speculator.training import latest_checkpoint, train
+
+ENV = {**CLI_ENV, "ACCELERATE_USE_CPU": "true"}
+
+# Records, on each process, what its parameters are at the first optimizer step: DTensor shards under FSDP.
+RECORDING_SCRIPT = '''
+import json, os, runpy, sys
+import torch
+
+class Recording(torch.optim.AdamW):
+    recorded = False
+
+    def step(self, *args, **kwargs):
+        if not self.recorded:
+            self.recorded = True
+            params = [p for g in self.param_groups for p in g["params"]]
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+            record = {"types": sorted({type(p).__name__ for p in params}),
+                      "local": sum(t.numel() for t in local), "whole": sum(p.numel() for p in params)}
+            with open(os.environ["RECORD"] + "." + os.environ["RANK"] + ".json", "w") as f:
+                json.dump(record, f)
+        return super().step(*args, **kwargs)
+
+torch.optim.AdamW = Recording
+sys.argv[0] = "hf_mlp_speculator.training"
+runpy.run_module("hf_mlp_speculator.training", run_name="__main__")
+'''
+
+
+def fsdp_settings(toy, output_dir, cache, **overrides):
+    """Half of the single-process batch on each of two processes; checkpoints often, so that a kill lands mid-run.
+    Tied heads: FSDP must gather and restore tensors that several heads share."""
+    settings = dict(targets_cache=str(cache), batch_size=16, epochs=1, save_every=4, tie_weights=True, fsdp=True)
+    return toy_args(toy, output_dir, **{**settings, **overrides})
+
+
+def torchrun(args, tmp_path, **popen_kwargs):
+    script = tmp_path / "recording.py"
+    script.write_text(RECORDING_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), *as_flags(args)]
+    env = {**ENV, "RECORD": str(tmp_path / "params")}
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            **popen_kwargs)  # fmt: skip
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (torchrun starts its workers in sessions of their own), from /proc."""
+    children = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(stat))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_all(process) -> None:
+    """SIGKILL to the launcher and every worker at once, as a machine that loses power would."""
+    for pid in [process.pid, *descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_to_end(args, tmp_path):
+    process = torchrun(args, tmp_path)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def unbroken(toy, tmp_path_factory):
+    """An uninterrupted FSDP run on two processes, and the single-process run with the same global batch."""
+    root = tmp_path_factory.mktemp("fsdp")
+    run_to_end(fsdp_settings(toy, root / "fsdp", root / "cache"), root)
+    args = fsdp_settings(toy, root / "one", root / "cache", fsdp=False)
+    train(dataclasses.replace(args, batch_size=32))
+    return root
+
+
+def test_two_sharded_processes_match_one_process(unbroken):
+    for rank in (0, 1):
+        record = json.loads((unbroken / f"params.{rank}.json").read_text())
+        assert record["types"] == ["DTensor"]
+        # Each process holds about half of every parameter (dim 0 split in two, rounded up).
+        assert record["whole"] / 2 <= record["local"] <= record["whole"] / 2 + 1000
+    losses_one, losses_two = history(unbroken / "one", "train/loss"), history(unbroken / "fsdp", "train/loss")
+    assert len(losses_one) >= 5 and losses_two == pytest.approx(losses_one, rel=1e-5)
+    one, two = weights(unbroken / "one"), weights(unbroken / "fsdp")
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
+def test_the_published_speculator_is_whole_and_lossless(toy, unbroken):
+    speculator = AutoModel.from_pretrained(unbroken / "fsdp")
+    base = AutoModelForCausalLM.from_pretrained(toy / "base")
+    assert not [p for p in speculator.parameters() if type(p) is not torch.nn.Parameter]
+    prompt = torch.tensor([[40, 41, 42, 43, 44]])
+    plain = base.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(base.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=speculator), plain)
+    assert speculator.speculation_metrics.num_accepted_tokens > 0  # it learned the toy language
+
+
+def test_killed_fsdp_run_resumes_to_the_unbroken_one(toy, unbroken, tmp_path):
+    args = fsdp_settings(toy, tmp_path / "run", unbroken / "cache")  # the targets are cached: straight to training
+    process = torchrun(args, tmp_path)
+    try:
+        while process.poll() is None and latest_checkpoint(args.output_dir) is None:
+            time.sleep(0.002)
+        killed = process.poll() is None
+        kill_all(process)
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            kill_all(process)
+    assert killed, "the run ended before it could be killed"
+    checkpoint = latest_checkpoint(args.output_dir)
+    steps = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert 0 < steps["step"] < steps["total_steps"]
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+    run_to_end(dataclasses.replace(args, resume=True), tmp_path)
+    assert_same_weights(tmp_path / "run", unbroken / "fsdp")
+    assert history(tmp_path / "run", "train/loss") == history(unbroken / "fsdp", "train/loss")
+
+
+def test_fsdp_needs_several_processes(toy, tmp_path):
+    with pytest.raises(ValueError, match="--fsdp shards the speculator across processes, and this run has one"):
+        train(fsdp_settings(toy, tmp_path / "run", tmp_path / "cache"))
