@@ -94,12 +94,23 @@ def run_to_end(args, tmp_path):
 
 @pytest.fixture(scope="module")
 def unbroken(toy, tmp_path_factory):
-    """An uninterrupted FSDP run on two processes, and the single-process run with the same global batch."""
+    """
+    An uninterrupted FSDP run on two processes, the base sharded too while it computes the targets, and the
+    single-process run with the same global batch, each computing its own targets.
+    """
     root = tmp_path_factory.mktemp("fsdp")
-    run_to_end(fsdp_settings(toy, root / "fsdp", root / "cache"), root)
-    args = fsdp_settings(toy, root / "one", root / "cache", fsdp=False)
-    train(dataclasses.replace(args, batch_size=32))
+    run_to_end(fsdp_settings(toy, root / "fsdp", root / "cache", fsdp_base=True), root)
+    train(fsdp_settings(toy, root / "one", root / "cache-one", fsdp=False, batch_size=32))
     return root
+
+
+def test_the_sharded_base_computes_the_same_targets(unbroken):
+    sharded, whole = sorted((unbroken / "cache").glob("*.pt")), sorted((unbroken / "cache-one").glob("*.pt"))
+    assert [p.name for p in sharded] == [p.name for p in whole] and len(whole) > 3  # the same fingerprint and inputs
+    for a, b in zip(sharded, whole):
+        a, b = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+        for name, tensor in b.get("targets", {}).items():
+            torch.testing.assert_close(a["targets"][name], tensor, rtol=1e-3, atol=1e-3)  # float16 states
 
 
 def test_two_sharded_processes_match_one_process(unbroken):
@@ -149,6 +160,19 @@ def test_killed_fsdp_run_resumes_to_the_unbroken_one(toy, unbroken, tmp_path):
     assert history(tmp_path / "run", "train/loss") == history(unbroken / "fsdp", "train/loss")
 
 
-def test_fsdp_needs_several_processes(toy, tmp_path):
-    with pytest.raises(ValueError, match="--fsdp shards the speculator across processes, and this run has one"):
-        train(fsdp_settings(toy, tmp_path / "run", tmp_path / "cache"))
+def test_untied_heads_shard_layer_by_layer_and_match_one_process(toy, unbroken, tmp_path):
+    """Untied, each head's embedding, projection and output layer is an FSDP unit of its own."""
+    settings = dict(tie_weights=False, epochs=0.3)
+    run_to_end(fsdp_settings(toy, tmp_path / "fsdp", unbroken / "cache", **settings), tmp_path)
+    train(fsdp_settings(toy, tmp_path / "one", unbroken / "cache", fsdp=False, batch_size=32, **settings))
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
+    assert one.keys() == two.keys() and "speculator.emb.1.weight" in one
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flag,what", [("fsdp", "the speculator"), ("fsdp_base", "the base model")])
+def test_fsdp_needs_several_processes(toy, tmp_path, flag, what):
+    name = "--" + flag.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{name} shards {what} across processes, and this run has one"):
+        train(fsdp_settings(toy, tmp_path / "run", tmp_path / "cache", **{"fsdp": False, flag: True}))

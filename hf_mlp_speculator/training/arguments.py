@@ -104,6 +104,12 @@ class SpeculatorTrainingArguments:
                   "(FSDP2), for a speculator whose training state does not fit one device. Needs several processes "
                   "(torchrun / accelerate launch)."},
     )  # fmt: skip
+    fsdp_base: bool = field(
+        default=False,
+        metadata={"help": "Shard the frozen base model across the processes (FSDP2) while it computes the targets, "
+                  "for a base that does not fit one device; every process then computes every target batch with "
+                  "the others. Needs several processes."},
+    )  # fmt: skip
     resume: bool = field(default=False, metadata={"help": "Continue the run whose checkpoints are in output_dir."})
     seed: int = field(default=0, metadata={"help": "Seed of the initialisation, the data order and any sampling."})
     report_to: str | None = field(
@@ -160,9 +166,10 @@ class SpeculatorTrainingArguments:
 
     def result_settings(self) -> dict:
         """The settings that decide what the run computes, which a resumed run must share with the one it continues
-        (the paths of the output, the cache and the Hub, and `resume` itself, may change)."""
+        (the paths of the output, the cache and the Hub, `resume` itself, and whether the base is sharded, which computes the
+        same targets, may change)."""
         ignored = {"output_dir", "resume", "targets_cache", "report_to", "push_to_hub", "hub_model_id",
-                   "logging_steps", "save_total_limit"}  # fmt: skip
+                   "logging_steps", "save_total_limit", "fsdp_base"}  # fmt: skip
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
 

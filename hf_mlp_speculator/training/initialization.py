@@ -12,20 +12,22 @@ import math
 
 import torch
 
+from .sharding import whole
+
 
 @torch.no_grad()
 def initialize_from_base(speculator, base) -> None:
     """Copies (projected and rescaled) `base`'s input embeddings and LM head into every head of `speculator`."""
     heads = speculator.speculator
     inner_dim = speculator.config.speculator_inner_dim
-    embeddings = base.get_input_embeddings().weight.detach().float().cpu()
+    embeddings = whole(base.get_input_embeddings().weight).detach().float().cpu()
     output = base.get_output_embeddings()
     if output is None or output.weight.shape != embeddings.shape:
         raise ValueError(
             f"{type(base).__name__} has no LM head of the shape of its input embeddings {tuple(embeddings.shape)}, "
             "so the heads cannot start from it. Train with --no-init-from-base."
         )
-    lm_head = output.weight.detach().float().cpu()
+    lm_head = whole(output.weight).detach().float().cpu()
     if heads.draft_vocab is not None:
         lm_head = lm_head[heads.draft_vocab.cpu()]
     if inner_dim < embeddings.shape[1]:

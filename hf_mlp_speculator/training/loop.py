@@ -36,7 +36,7 @@ from .checkpoints import TrainerState, claim_output_dir, latest_checkpoint, load
 from .initialization import initialize_from_base
 from .losses import acceptance_counts, draft_index, token_losses
 from ..progress import Progress
-from .sharding import gathered, restore, shard
+from .sharding import gathered, restore, shard, shard_base
 from .targets import Targets
 from .training_data import build_training_data
 
@@ -67,7 +67,9 @@ def load_base(args: SpeculatorTrainingArguments, device):
             f"{args.base_model} is an encoder-decoder model; an MLPSpeculator drafts for decoder-only (causal) LMs."
         )
     base.requires_grad_(False).eval().to(device)
-    if packed_matches_plain(base):
+    if args.fsdp_base:
+        shard_base(base)
+    elif packed_matches_plain(base):
         # The base only runs forward: oneDNN-packed weights make its batched decoding faster on CPU.
         pack_linear_weights(base)
     if getattr(base.config.get_text_config(), "hidden_size", None) is None:
@@ -285,11 +287,13 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision, log_with=_trackers(args.report_to), project_dir=output_dir
     )
-    if args.fsdp and accelerator.num_processes < 2:
-        raise ValueError(
-            "--fsdp shards the speculator across processes, and this run has one. Launch it on several (torchrun "
-            "--nproc-per-node N -m hf_mlp_speculator.training ..., or accelerate launch), or drop --fsdp."
-        )
+    for flag, what in (("fsdp", "the speculator"), ("fsdp_base", "the base model")):
+        if getattr(args, flag) and accelerator.num_processes < 2:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(
+                f"{name} shards {what} across processes, and this run has one. Launch it on several (torchrun "
+                f"--nproc-per-node N -m hf_mlp_speculator.training ..., or accelerate launch), or drop {name}."
+            )
     if accelerator.is_main_process:
         claim_output_dir(output_dir, args.result_settings(), args.resume)
     accelerator.wait_for_everyone()

@@ -29,6 +29,7 @@ from transformers.utils import logging
 from ..kv_cache import cache_kwargs
 from .documents import left_padded
 from .losses import IGNORE_INDEX, Batch
+from .sharding import whole
 
 logger = logging.get_logger(__name__)
 
@@ -194,7 +195,7 @@ def fingerprint(base) -> str:
     """A digest of the base model's config and weights (a strided sample of every tensor, so retraining changes it)."""
     digest = hashlib.sha256(base.config.to_json_string(use_diff=False).encode())
     for name, tensor in sorted(base.state_dict().items()):
-        flat = tensor.detach().flatten()
+        flat = whole(tensor).detach().flatten()  # a sharded base's fingerprint is the unsharded one's
         digest.update(name.encode() + str(tuple(tensor.shape)).encode())
         digest.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

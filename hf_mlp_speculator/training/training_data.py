@@ -7,8 +7,9 @@ they took (as recorded in the cache, so that a resumed run makes the same choice
 budget. The held-out targets are
 the greedy continuations of the first `eval_prompts` held-out prompts.
 
-Under several processes, batch `i` of each round is computed by process `i % processes`, and every process then reads
-them all (the cache folder must be shared, as it is on one machine).
+Under several processes, batch `i` of each round is computed by process `i % processes` (by all of them together when
+the base is sharded, `fsdp_base`), and every process then reads them all (the cache folder must be shared, as it is
+on one machine).
 """
 
 import itertools
@@ -76,7 +77,10 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
         results = []
         for start in range(0, len(jobs), world):
             round_ = jobs[start : start + world]
-            if rank < len(round_):
+            if args.fsdp_base:  # a sharded forward needs every process: all compute each batch together
+                for job in round_:
+                    cache.get(*job)
+            elif rank < len(round_):
                 cache.get(*round_[rank])
             accelerator.wait_for_everyone()
             results += [cache.get(*job) for job in round_]
