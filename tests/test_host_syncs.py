@@ -88,3 +88,42 @@ def test_no_device_wide_synchronize(monkeypatch):
     count_syncs(3)
     count_syncs(1)
     assert calls == []
+
+
+def test_cuda_timings_are_read_when_the_device_has_passed_them(monkeypatch):
+    """On CUDA the stopwatch records events and hands a timing over only once its end event has completed, in order;
+    it waits for the device only when told to (at the end of a call)."""
+    from hf_mlp_speculator.cost_model import Stopwatch
+
+    class FakeEvent:
+        clock, done_until = 0.0, 0.0  # the device's time, and how far it has run
+        waits = []
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            FakeEvent.clock += 1.0
+            self.at = FakeEvent.clock
+
+        def query(self):
+            return self.at <= FakeEvent.done_until
+
+        def synchronize(self):
+            if not self.query():
+                FakeEvent.waits.append(self.at)
+                FakeEvent.done_until = self.at
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1000  # milliseconds
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    stopwatch, seen = Stopwatch("cuda"), []
+    for _ in range(3):
+        stopwatch.report(stopwatch.stop(stopwatch.start()), seen.append)
+    assert seen == []  # the device has run none of it yet: nothing read, nothing waited for
+    FakeEvent.done_until = 4.0  # the first two timings' work is done
+    stopwatch.poll()
+    assert seen == [1.0, 1.0] and FakeEvent.waits == []
+    stopwatch.poll(wait=True)
+    assert seen == [1.0, 1.0, 1.0] and FakeEvent.waits == [6.0]

@@ -280,6 +280,21 @@ def start_or_resume(args, output_dir: Path, optimizer_step: OptimizerStep, epoch
     return TrainerState(total_steps=plan_steps(args, epochs, seconds_per_step, budget_left()))
 
 
+def speculator_and_optimizer(args, base, targets: Targets, accelerator):
+    """The initial speculator and its AdamW, ready for DDP or sharded (`fsdp`)."""
+    torch.manual_seed(args.seed)  # the same initial speculator on every process, whatever was cached
+    speculator = make_speculator(args, base, targets)
+    if args.fsdp:  # sharded before the optimizer is made, so that its state is sharded too
+        speculator = shard(speculator.to(accelerator.device))
+    optimizer = torch.optim.AdamW(
+        weight_decay_groups(speculator, args.weight_decay), lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+    )  # fmt: skip
+    if args.fsdp:
+        return speculator, optimizer
+    return accelerator.prepare(speculator, optimizer)
+
+
 def train(args: SpeculatorTrainingArguments) -> Path:
     """Trains a speculator as `args` describe; returns `args.output_dir`, holding it in the published layout."""
     started = time.monotonic()
@@ -305,17 +320,8 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     # now: a rerun or a resumed run plans the same training as the first run.
     started += time.monotonic() - building - data.seconds
 
-    torch.manual_seed(args.seed)  # the same initial speculator on every process, whatever was cached
-    speculator = make_speculator(args, base, data.train)
+    speculator, optimizer = speculator_and_optimizer(args, base, data.train, accelerator)
     del base  # the rest needs only the targets
-    if args.fsdp:  # sharded before the optimizer is made, so that its state is sharded too
-        speculator = shard(speculator.to(accelerator.device))
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(speculator, args.weight_decay), lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-    )  # fmt: skip
-    if not args.fsdp:
-        speculator, optimizer = accelerator.prepare(speculator, optimizer)
     rows_per_step = args.batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     epochs = Epochs(data.train, rows_per_step, args.seed)
     optimizer_step = OptimizerStep(speculator, optimizer, data.train, epochs, args, accelerator)
