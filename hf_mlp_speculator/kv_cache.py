@@ -20,3 +20,17 @@ def pop_prepared_cache(model_kwargs: dict):
     """Removes the cache that `generate()` prepared from `model_kwargs` and returns it (None if there is none)."""
     cache, legacy = model_kwargs.pop("cache", None), model_kwargs.pop("past_key_values", None)
     return cache if cache is not None else legacy
+
+
+def gather_slots(cache, order) -> None:
+    """
+    Keeps, in every layer of a dynamic `cache`, the slots `order[b]` of row `b` (`order` is `(batch, slots)`), in
+    that order: the cache's sequence axis becomes `order`'s. Every layer must hold the same slots (no sliding window).
+    """
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", True):
+            continue  # a layer that shares another's cache, or was never written
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+            setattr(layer, name, tensor.gather(2, index))

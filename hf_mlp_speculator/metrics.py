@@ -38,6 +38,9 @@ class SpeculationMetrics:
     verify_seconds_by_depth: list[float] = field(default_factory=list)
     draft_runs_by_head: list[int] = field(default_factory=list)
     draft_seconds_by_head: list[float] = field(default_factory=list)
+    # The most slots per row the KV cache held (batched, tree and sampled decoding, where rows share one rectangular
+    # cache; 0 where transformers' one-sequence loop holds exactly the sequence).
+    cache_slots: int = 0
 
     def record_step(self, num_drafted: int, num_accepted: int, from_lookup: bool = False, nonfinite: bool = False):
         """
@@ -92,6 +95,7 @@ class SpeculationMetrics:
             num_lookup_draft_tokens=self.num_lookup_draft_tokens + other.num_lookup_draft_tokens,
             num_lookup_accepted_tokens=self.num_lookup_accepted_tokens + other.num_lookup_accepted_tokens,
             num_nonfinite_steps=self.num_nonfinite_steps + other.num_nonfinite_steps,
+            cache_slots=max(self.cache_slots, other.cache_slots),
         )
 
     @property

@@ -12,21 +12,12 @@ Design: one rectangular KV cache for the whole batch, realigned by the attention
 same slots to every row: its last emitted token and its drafts. The verifier then switches off, in the 2D attention
 mask, the slots of the drafts each row rejected, and a row's positions count only the slots it kept. So every row
 attends to exactly its own tokens at their true positions, using nothing but the `attention_mask` and `position_ids`
-that every transformers decoder takes. (Realigning each row's cache instead would mean shifting the tensors of every
-cache layer, whose layouts differ between models.) Slots that every row rejected are cropped off the cache, and rows
-that finish leave the batch. The price is that masked slots still take attention compute and memory until the end of
-the call. Models whose sliding window counts cache slots could see fewer real tokens than
-their window, so they are refused when the call could overflow it.
-
-On a GPU the host must not wait for the device between kernels. So the loop keeps its tensors on the device and a
-copy of what it decides by on the host (each row's tokens, the rows still generating, the controller's estimates),
-and reads the device once per step (`host_transfer`): after the verifier, what each row accepted. A cost-aware chain
-adds one read after its heads (their confidences, see `controller`), a tree one each way to merge its candidates on
-the host, hybrid drafting one to send its lookup drafts. Timings come from CUDA events read when the device has
-passed them (`cost_model.Stopwatch`).
-
-`SpeculativeBatch` holds the state of one call; each step is `draft`, `verify`, `accept`, and `next_step` drops the
-rows that finished.
+that every transformers decoder takes. (Moving each row's slots in every cache layer copies the whole cache: that is
+done only now and then, below.) Slots that every row rejected are cropped off the cache, and rows
+that finish leave the batch. Once the masked slots pass `COMPACT_SHARE` of the cache, each row's kept slots move
+together (`compact`): the cache holds little more than the tokens, and later steps read no more than they need.
+Models whose sliding window counts cache slots keep only the last ones, which cannot be moved together; with masked
+slots they could see fewer real tokens than their window, so they are refused when the call could overflow it.
 
 Trees use the same slots: all candidates' nodes are verified in one forward with a 4D mask in which each node sees
 the cache and its own ancestors, at position `row position + depth`. Afterwards only the nodes on the longest
@@ -58,7 +49,7 @@ from .controller import SpeculationController, Step, acceptance_for
 from .cost_model import Stopwatch, cost_model_for
 from .drafting import DraftTree, draft_chain, draft_tree
 from .host_transfer import to_host
-from .kv_cache import cache_kwargs, pop_prepared_cache
+from .kv_cache import cache_kwargs, gather_slots, pop_prepared_cache
 from .metrics import SpeculationMetrics
 from .position_noise import PositionNoise
 from .prompt_lookup import HybridDrafter, lookup_drafts, with_lookup
@@ -67,6 +58,8 @@ from .prompt_lookup import HybridDrafter, lookup_drafts, with_lookup
 _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
                 EpsilonLogitsWarper, EtaLogitsWarper)  # fmt: skip
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# Rejected drafts' slots are freed once they are more than this share of the cache (see `SpeculativeBatch.compact`).
+COMPACT_SHARE = 0.05
 
 
 def generate_speculatively(
@@ -150,7 +143,9 @@ class SpeculativeBatch:
         self.sequences[:, :prompt_length] = input_ids
         self.lengths = torch.full((rows,), prompt_length, device=self.device)
         self.rows = torch.arange(rows, device=self.device)
-        self.host_tokens = input_ids.tolist()  # each row's tokens, prompt padding included, as `sequences` holds them
+        # Each row's tokens, prompt padding included, as `sequences` holds them, and its cache slots in use.
+        self.host_tokens, self.slots = to_host(input_ids, self.mask.sum(-1))
+        self.peak_slots = input_ids.shape[1]
         self.host_rows, self.finished = list(range(rows)), [False] * rows
         self.metrics = [SpeculationMetrics(num_speculative_tokens=self.num_heads) for _ in range(rows)]
         if tree:  # a tree of depth d verifies its root and up to n_candidates nodes per depth
@@ -195,6 +190,7 @@ class SpeculativeBatch:
             self.rows, self.mask, self.hidden = self.rows[index], self.mask[index], self.hidden[index]
             self.last_tokens, self.next_position = self.last_tokens[index], self.next_position[index]
             self.host_rows, self.finished = [self.host_rows[i] for i in keep], [False] * len(keep)
+            self.slots = [self.slots[i] for i in keep]
         self.stopwatch.poll()
         if self.noise is not None:
             self.noise.new_step()
@@ -263,13 +259,30 @@ class SpeculativeBatch:
         # Keep the slots of the root and the accepted path; crop the slots that no row kept (the deepest kept slot
         # of a row is its best node: ancestors come first).
         self.mask = torch.cat([self.mask, ancestors[batch_rows, best].long()], dim=1)
+        self.peak_slots = max(self.peak_slots, self.mask.shape[1])
+        self.slots = [slots + count + 1 for slots, count in zip(self.slots, host[1])]
         unused = drafts.num_nodes - 1 - max(host[0])
         if unused:
             self.cache.crop(-unused)
             self.mask = self.mask[:, :-unused]
+        self.compact()
         self.hidden = outputs.hidden_states[-1][batch_rows, best]
         self.last_tokens = next_tokens
         self.next_position = self.next_position + accepted + 1
+
+    def compact(self) -> None:
+        """
+        Frees rejected drafts' slots once they pass `COMPACT_SHARE` of the cache: every row's kept slots move together,
+        in order and left-padded, in every cache layer and in the mask. Positions stay as they were, so every row still
+        sees exactly its own tokens; later steps read fewer slots. A sliding window keeps too few slots to move.
+        """
+        width, most = self.mask.shape[1], max(self.slots)
+        if width - most <= COMPACT_SHARE * width or any(self.cache.is_sliding):
+            return
+        # A stable sort puts each row's masked slots first and its kept ones last, both in order.
+        order = torch.sort(self.mask, dim=1, stable=True).indices[:, width - most :]
+        self.mask = self.mask.gather(1, order)
+        gather_slots(self.cache, order)
 
     def targets(self, drafts: DraftTree, paths, scores) -> torch.LongTensor:
         """The verifier's token after each node's path, picked from its `scores` as plain decoding would."""
@@ -377,6 +390,7 @@ class SpeculativeBatch:
         speculator.speculation_metrics_per_row = self.metrics
         speculator.speculation_metrics = sum(self.metrics, SpeculationMetrics(num_speculative_tokens=num_heads))
         self.controller.report_to(speculator.speculation_metrics)
+        speculator.speculation_metrics.cache_slots = self.peak_slots
         output = self.sequences[:, : max(map(len, self.host_tokens))]
         if self.generation_config.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(sequences=output)

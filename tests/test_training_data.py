@@ -60,11 +60,14 @@ def test_txt_documents_are_paragraphs(tmp_path, tokenizer):
 
 def test_jsonl_text_field_and_chat_messages(tmp_path, tokenizer):
     path = tmp_path / "a.jsonl"
-    records = [{"text": "plain"}, {"messages": [{"role": "user", "content": "hi"}]}, {"body": "other field"}]
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    records = [{"text": "plain"}, {"messages": [{"role": "user", "content": "hi"}]}, {"messages": conversation},
+               {"body": "other field"}]  # fmt: skip
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     documents = iter_documents(str(path), tokenizer)
-    assert [next(documents), next(documents)] == ["plain", "<user>hi"]
-    with pytest.raises(ValueError, match=r"a.jsonl:3 has neither a 'text' field nor chat `messages`.*--text-field"):
+    # A conversation that ends with the user's turn is a prompt: it ends where the answer begins.
+    assert [next(documents) for _ in range(3)] == ["plain", "<user>hi<assistant>", "<user>hi<assistant>yo"]
+    with pytest.raises(ValueError, match=r"a.jsonl:4 has neither a 'text' field nor chat `messages`.*--text-field"):
         next(documents)
     (tmp_path / "b.jsonl").write_text(json.dumps({"body": "other field"}))
     assert list(iter_documents(str(tmp_path / "b.jsonl"), tokenizer, text_field="body")) == ["other field"]
@@ -142,7 +145,7 @@ def test_chat_prompts_from_messages_have_one_bos(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
     (prompt,) = Corpus([str(path)], tokenizer, eval_fraction=0.0).prompts(64)
-    assert prompt == [VOCAB, *chars("<user>hello")]
+    assert prompt == [VOCAB, *chars("<user>hello<assistant>")]
     assert render_chat_prompt(tokenizer, "hello") == [VOCAB, *chars("<user>hello<assistant>")]
 
 

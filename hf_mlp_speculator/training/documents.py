@@ -32,7 +32,10 @@ def _render(record: dict, tokenizer, text_field: str, where: str) -> str:
                 f"{where} holds chat `messages` but the tokenizer has no chat template to render them with. Set "
                 "`tokenizer.chat_template`, or give the records a text field."
             )
-        return tokenizer.apply_chat_template(record["messages"], tokenize=False)
+        # A conversation that ends with the user's turn is a prompt: it ends where the assistant's answer begins.
+        messages = record["messages"]
+        awaiting_answer = bool(messages) and messages[-1].get("role") == "user"
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=awaiting_answer)
     raise ValueError(
         f"{where} has neither a {text_field!r} field nor chat `messages` (its fields: {sorted(record)}). Name the text "
         "field with `text_field` (--text-field)."
