@@ -10,8 +10,9 @@
 2. End to end with real acceptance: this package's trainer trains a speculator for about 2 minutes on the 1B-class
    base's own greedy continuations (random-init models continue very regularly), then `generate()` runs with and
    without it at batch 1 and 8: tokens per step, speedup over plain `generate()`, greedy identity, the loop's own
-   overhead per step (wall time minus forwards and heads), and loop efficiency: the measured speedup over the one the
-   measured tokens per step and costs predict.
+   overhead per step (wall time minus forwards and heads), loop efficiency (the measured speedup over the one the
+   measured tokens per step and costs predict), and the KV cache's most slots per row with and without freeing
+   rejected drafts' slots, against the sequence's length.
 
 Results go to `--out` as gpu_check.json and gpu_check.md. Times on CUDA are taken with CUDA events.
 """
@@ -28,7 +29,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
+from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, speculative_decoding
 from hf_mlp_speculator.kv_cache import cache_kwargs, output_cache
 from hf_mlp_speculator.training import SpeculatorTrainingArguments, train
 
@@ -154,7 +155,15 @@ def end_to_end(base, speculator, profile: dict, batch: int, new_tokens: int, dev
             torch.cuda.synchronize(device)
         seconds[name] = time.perf_counter() - start
     metrics = speculator.speculation_metrics
-    forwards = metrics.num_steps
+    forwards = sum(metrics.steps_by_depth)  # verifier forwards (num_steps counts each row's)
+    # The KV cache's most slots per row, and the same call without freeing rejected drafts' slots.
+    compact_share = speculative_decoding.COMPACT_SHARE
+    speculative_decoding.COMPACT_SHARE = float("inf")
+    try:
+        base.generate(prompts, **kwargs, **speculative)
+        uncompacted = speculator.speculation_metrics.cache_slots
+    finally:
+        speculative_decoding.COMPACT_SHARE = compact_share
     modelled = forwards * (profile["verify_ms_by_new_tokens"][HEADS + 1] + sum(profile["head_ms"])) / 1000
     speedup = seconds["plain"] / seconds["speculative"]
     predicted = predicted_speedup(profile, metrics.mean_tokens_per_step)
@@ -167,6 +176,9 @@ def end_to_end(base, speculator, profile: dict, batch: int, new_tokens: int, dev
         "loop_efficiency": speedup / predicted,
         "loop_overhead_ms_per_step": max(0.0, seconds["speculative"] - modelled) / max(forwards, 1) * 1000,
         "identical": torch.equal(outputs["plain"], outputs["speculative"]),
+        "cache_slots": metrics.cache_slots,
+        "cache_slots_uncompacted": uncompacted,
+        "sequence_slots": outputs["plain"].shape[1],
     }
 
 
@@ -182,12 +194,14 @@ def markdown(results: dict) -> str:
         predicted = " / ".join(f"{x:.2f}x" for x in row["predicted_speedup"])
         lines.append(f"| {row['base']} | {row['batch']} | {row['plain_ms']:.2f} | {verify} | {heads} | {predicted} |")
     lines += ["", "## End to end (1B-class base, trained speculator, 4 heads every step)", "",
-              "| batch | tokens/step | speedup | predicted | loop efficiency | loop overhead ms/step | identical |",
-              "|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+              "| batch | tokens/step | speedup | predicted | loop efficiency | loop overhead ms/step | identical "
+              "| cache slots (uncompacted) / sequence |",
+              "|---:|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
     for row in results["end_to_end"]:
         lines.append(f"| {row['batch']} | {row['tokens_per_step']:.2f} | {row['speedup']:.2f}x | "
                      f"{row['predicted_speedup']:.2f}x | {row['loop_efficiency']:.2f} | "
-                     f"{row['loop_overhead_ms_per_step']:.2f} | {'yes' if row['identical'] else 'NO'} |")  # fmt: skip
+                     f"{row['loop_overhead_ms_per_step']:.2f} | {'yes' if row['identical'] else 'NO'} | "
+                     f"{row['cache_slots']} ({row['cache_slots_uncompacted']}) / {row['sequence_slots']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -19,5 +19,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert [row["batch"] for row in results["end_to_end"]] == [1, 8]
     for row in results["end_to_end"]:
         assert row["identical"] and row["tokens_per_step"] >= 1 and row["loop_efficiency"] > 0
+    batched = results["end_to_end"][1]  # rows share one rectangular cache there
+    assert 0 < batched["cache_slots"] <= batched["cache_slots_uncompacted"]
     table = (tmp_path / "gpu_check.md").read_text()
     assert "## Cost profile" in table and "| tiny | 8 |" in table and "## End to end" in table
