@@ -110,7 +110,7 @@ def generate_speculatively(
                              stopping_criteria, streamer, tree, hybrid)  # fmt: skip
     batch.prefill(input_ids)
     while batch.next_step():
-        batch.accept(*batch.verify(batch.draft()))
+        batch.accept(*batch.verify(*batch.draft()))
     return batch.finish()
 
 
@@ -203,6 +203,10 @@ class SpeculativeBatch:
         planned = self.controller.start_step(self.cache.get_seq_length(), len(self.host_rows))
         step = StepRecord(self.controller.step, [False] * len(room))
         most = min(self.num_heads, max(room))  # a row's verifier forward adds one token of its own
+        if self.hybrid is not None:  # on the host, before any head: rows that draft from lookup run none
+            step.lookup, step.from_lookup = self.hybrid.propose(self.host_tokens, self.host_rows, room)
+            use_lookup, lookup = lookup_drafts(step.lookup, step.from_lookup, self.device)
+            limits = torch.where(use_lookup, 0, limits)
         hidden = self.hidden.to(self.speculator.device, self.speculator.dtype)
         heads = self.speculator.speculator
         mark = self.stopwatch.start()
@@ -210,13 +214,7 @@ class SpeculativeBatch:
             depth = min(planned, most)
             drafts = draft_tree(heads, hidden, self.last_tokens, limits.clamp(max=depth), depth, *self.tree)
         else:
-            depth = min(self.controller.chain_depth(planned), most)
-            if self.hybrid is not None:
-                step.lookup, step.from_lookup = self.hybrid.propose(self.host_tokens, self.host_rows, room)
-                use_lookup, lookup = lookup_drafts(step.lookup, step.from_lookup, self.device)
-                limits = torch.where(use_lookup, 0, limits)
-                if all(step.from_lookup):  # no head runs for lookup rows alone
-                    depth = 0
+            depth = 0 if all(step.from_lookup) else min(self.controller.chain_depth(planned), most)
             drafts = draft_chain(heads, hidden, self.last_tokens, limits.clamp(max=depth), depth, self.process,
                                  self.select, self.threshold)  # fmt: skip
         timing = self.stopwatch.stop(mark)
@@ -228,9 +226,8 @@ class SpeculativeBatch:
             drafts = with_lookup(drafts, use_lookup, lookup)
         return drafts, step
 
-    def verify(self, drafts_and_step) -> tuple:
+    def verify(self, drafts: DraftTree, step: "StepRecord") -> tuple:
         """Every row's drafts in one forward: each sees its row's kept cache slots and its own ancestors."""
-        drafts, step = drafts_and_step
         ancestors = drafts.ancestors()
         if self.tree:
             attention = _tree_attention_mask(self.mask, ancestors, self.model.dtype)

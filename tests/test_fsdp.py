@@ -95,16 +95,40 @@ def run_to_end(args, tmp_path):
 @pytest.fixture(scope="module")
 def unbroken(toy, tmp_path_factory):
     """
-    An uninterrupted FSDP run on two processes, the base sharded too while it computes the targets, and the
-    single-process run with the same global batch, each computing its own targets.
+    An uninterrupted FSDP run on two processes, the base sharded too while it computes the targets, and the targets
+    one process computes alone.
     """
     root = tmp_path_factory.mktemp("fsdp")
     run_to_end(fsdp_settings(toy, root / "fsdp", root / "cache", fsdp_base=True), root)
-    train(fsdp_settings(toy, root / "one", root / "cache-one", fsdp=False, batch_size=32))
+    train(fsdp_settings(toy, root / "targets-one", root / "cache-one", fsdp=False, epochs=0.05))
     return root
 
 
+# A few steps: over many, AdamW amplifies the last-bit differences of a sharded reduction (on torch 2.7.1 the loss
+# histories part after about 30 steps, on 2.13 they do not within 60).
+SHORT = 0.15
+
+
+def compare_with_one_process(toy, cache, tmp_path, **settings):
+    """An FSDP run and a one-process run with the same global batch on the same targets: same losses and weights."""
+    run_to_end(fsdp_settings(toy, tmp_path / "fsdp", cache, epochs=SHORT, **settings), tmp_path)
+    train(fsdp_settings(toy, tmp_path / "one", cache, fsdp=False, batch_size=32, epochs=SHORT, **settings))
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"params.{rank}.json").read_text())
+        assert record["types"] == ["DTensor"]
+        # Each process holds about half of every parameter (dim 0 split in two, rounded up).
+        assert record["whole"] / 2 <= record["local"] <= record["whole"] / 2 + 1000
+    losses_one, losses_two = history(tmp_path / "one", "train/loss"), history(tmp_path / "fsdp", "train/loss")
+    assert len(losses_one) >= 5 and losses_two == pytest.approx(losses_one, rel=1e-5)
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+    return one
+
+
 def test_the_sharded_base_computes_the_same_targets(unbroken):
+    """Within float16 rounding of the stored states: a sharded forward may sum in another order."""
     sharded, whole = sorted((unbroken / "cache").glob("*.pt")), sorted((unbroken / "cache-one").glob("*.pt"))
     assert [p.name for p in sharded] == [p.name for p in whole] and len(whole) > 3  # the same fingerprint and inputs
     for a, b in zip(sharded, whole):
@@ -113,18 +137,13 @@ def test_the_sharded_base_computes_the_same_targets(unbroken):
             torch.testing.assert_close(a["targets"][name], tensor, rtol=1e-3, atol=1e-3)  # float16 states
 
 
-def test_two_sharded_processes_match_one_process(unbroken):
-    for rank in (0, 1):
-        record = json.loads((unbroken / f"params.{rank}.json").read_text())
-        assert record["types"] == ["DTensor"]
-        # Each process holds about half of every parameter (dim 0 split in two, rounded up).
-        assert record["whole"] / 2 <= record["local"] <= record["whole"] / 2 + 1000
-    losses_one, losses_two = history(unbroken / "one", "train/loss"), history(unbroken / "fsdp", "train/loss")
-    assert len(losses_one) >= 5 and losses_two == pytest.approx(losses_one, rel=1e-5)
-    one, two = weights(unbroken / "one"), weights(unbroken / "fsdp")
-    assert one.keys() == two.keys()
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+def test_two_sharded_processes_match_one_process(toy, unbroken, tmp_path):
+    compare_with_one_process(toy, unbroken / "cache", tmp_path)
+
+
+def test_untied_heads_shard_layer_by_layer_and_match_one_process(toy, unbroken, tmp_path):
+    """Untied, each head's embedding, projection and output layer is an FSDP unit of its own."""
+    assert "speculator.emb.1.weight" in compare_with_one_process(toy, unbroken / "cache", tmp_path, tie_weights=False)
 
 
 def test_the_published_speculator_is_whole_and_lossless(toy, unbroken):
@@ -158,17 +177,6 @@ def test_killed_fsdp_run_resumes_to_the_unbroken_one(toy, unbroken, tmp_path):
     run_to_end(dataclasses.replace(args, resume=True), tmp_path)
     assert_same_weights(tmp_path / "run", unbroken / "fsdp")
     assert history(tmp_path / "run", "train/loss") == history(unbroken / "fsdp", "train/loss")
-
-
-def test_untied_heads_shard_layer_by_layer_and_match_one_process(toy, unbroken, tmp_path):
-    """Untied, each head's embedding, projection and output layer is an FSDP unit of its own."""
-    settings = dict(tie_weights=False, epochs=0.3)
-    run_to_end(fsdp_settings(toy, tmp_path / "fsdp", unbroken / "cache", **settings), tmp_path)
-    train(fsdp_settings(toy, tmp_path / "one", unbroken / "cache", fsdp=False, batch_size=32, **settings))
-    one, two = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
-    assert one.keys() == two.keys() and "speculator.emb.1.weight" in one
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("flag,what", [("fsdp", "the speculator"), ("fsdp_base", "the base model")])

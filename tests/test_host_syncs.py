@@ -13,6 +13,8 @@ import torch
 from conftest import make_prompt, make_speculator, make_verifier
 from torch.overrides import TorchFunctionMode
 
+from hf_mlp_speculator import MLPSpeculatorCandidateGenerator
+
 READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 BUILDS = {"tensor", "as_tensor"}
 PACKAGE = "hf_mlp_speculator"
@@ -36,6 +38,28 @@ class HostSyncs(TorchFunctionMode):
             else:
                 self.others += 1
         return func(*args, **kwargs)
+
+
+def transformers_hands_a_tensor() -> bool:
+    """
+    Whether this transformers' assisted decoding passes the number of accepted drafts to the candidate generator as a
+    tensor (before 5.18 or so), which the generator must then read on the host each step: a sync of transformers'
+    making, one per step at batch 1.
+    """
+    seen = []
+    original = MLPSpeculatorCandidateGenerator.update_candidate_strategy
+
+    def recording(self, input_ids, scores, num_matches):
+        seen.append(isinstance(num_matches, torch.Tensor))
+        return original(self, input_ids, scores, num_matches)
+
+    MLPSpeculatorCandidateGenerator.update_candidate_strategy = recording
+    try:
+        verifier, prompt = make_verifier(), make_prompt()
+        verifier.generate(prompt, max_new_tokens=3, assistant_model=make_speculator(n_predict=3), do_sample=False)
+    finally:
+        MLPSpeculatorCandidateGenerator.update_candidate_strategy = original
+    return any(seen)
 
 
 def count_syncs(rows: int, max_new_tokens: int = 30, **generate_kwargs):
@@ -69,6 +93,8 @@ def test_syncs_per_step_within_budget(case):
     rows, kwargs, per_step = CASES[case]
     ours, forwards, where, _ = count_syncs(rows, **kwargs)
     assert forwards > 10
+    if rows == 1 and "do_sample" not in kwargs and transformers_hands_a_tensor():  # transformers' loop
+        per_step += 1
     assert ours <= per_step * forwards + PER_CALL + rows, where
 
 
@@ -78,7 +104,8 @@ def test_cost_aware_chains_read_their_confidences_once_per_step(rows):
     """The controller ends a chain by its drafts' confidences: at most one more read per step, never one per head."""
     torch.manual_seed(0)
     ours, forwards, where, _ = count_syncs(rows, max_new_tokens=40)
-    assert ours <= 2 * forwards + PER_CALL + rows, where
+    per_step = 2 + (rows == 1 and transformers_hands_a_tensor())
+    assert ours <= per_step * forwards + PER_CALL + rows, where
 
 
 def test_no_device_wide_synchronize(monkeypatch):
