@@ -173,7 +173,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         if self.in_prefill:
             self.in_prefill = False
             return
-        num_matches = int(num_matches)  # an int from transformers: no read of the device
+        num_matches = int(num_matches)  # an int from transformers 5.18 or so on; a tensor, read here, before
         self.metrics.record_step(self.num_drafted, num_matches, from_lookup=self.from_lookup, nonfinite=self.nonfinite)
         if self.from_lookup:  # the controller sizes the speculator's chains: lookup steps are not its to learn from
             return
@@ -181,5 +181,6 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         self.stopwatch.report(timing, lambda seconds: self.controller.end_step(step, depth, seconds))
         if self.num_drafted:
             self.controller.acceptance.record(self.confidences, [self.num_drafted], [num_matches])
-        self.stopwatch.poll()
+        # transformers has read the verifier's output to count the matches: its forward is done, waiting costs nothing.
+        self.stopwatch.poll(wait=True)
         self.controller.report_to(self.metrics)

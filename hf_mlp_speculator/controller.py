@@ -229,7 +229,8 @@ class SpeculationController:
         never = [d for d, age in stale.items() if age == math.inf]
         costs = self.step_costs()
         target = never[0] if never else max(stale, key=stale.get)
-        if never or self.exploring_seconds + costs[target] <= EXPLORATION_SHARE * self.total_seconds:
+        # No timings to weigh yet (steps that drafted from prompt lookup time nothing): time this depth.
+        if never or costs is None or self.exploring_seconds + costs[target] <= EXPLORATION_SHARE * self.total_seconds:
             cost_model.tried(cache_length, self.new_tokens(target))
             return target
         return None

@@ -130,21 +130,22 @@ class Stopwatch:
     """
 
     def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.pending = []  # (start event, end event, done) not read yet, in the order the device runs them
 
     def start(self):
         if not self.cuda:
             return time.perf_counter()
         mark = torch.cuda.Event(enable_timing=True)
-        mark.record()
+        mark.record(torch.cuda.current_stream(self.device))  # the model's device, not the current one
         return mark
 
     def stop(self, mark):
         if not self.cuda:
             return time.perf_counter() - mark
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end.record(torch.cuda.current_stream(self.device))
         return mark, end
 
     def report(self, timing, done) -> None:

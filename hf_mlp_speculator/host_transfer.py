@@ -18,7 +18,8 @@ def to_host(*tensors: torch.Tensor | None) -> list:
     if not present:
         return [None] * len(tensors)
     # float64 holds every token id, count and float32 confidence exactly.
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in present]).tolist()
+    device = present[0].device  # (a speculator may live on another device than the verifier)
+    flat = torch.cat([t.reshape(-1).to(device, torch.float64) for t in present]).tolist()
     out, start = [], 0
     for t in tensors:
         if t is None:

@@ -22,6 +22,13 @@ def pop_prepared_cache(model_kwargs: dict):
     return cache if cache is not None else legacy
 
 
+def can_gather_slots(cache) -> bool:
+    """Whether `gather_slots` can move every layer's slots: plain dynamic layers, on the device, no sliding window."""
+    from transformers.cache_utils import DynamicLayer
+
+    return not getattr(cache, "offloading", False) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def gather_slots(cache, order) -> None:
     """
     Keeps, in every layer of a dynamic `cache`, the slots `order[b]` of row `b` (`order` is `(batch, slots)`), in
@@ -32,5 +39,5 @@ def gather_slots(cache, order) -> None:
             continue  # a layer that shares another's cache, or was never written
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
-            index = order[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+            index = order.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
             setattr(layer, name, tensor.gather(2, index))

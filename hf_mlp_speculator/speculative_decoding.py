@@ -49,7 +49,7 @@ from .controller import SpeculationController, Step, acceptance_for
 from .cost_model import Stopwatch, cost_model_for
 from .drafting import DraftTree, draft_chain, draft_tree
 from .host_transfer import to_host
-from .kv_cache import cache_kwargs, gather_slots, pop_prepared_cache
+from .kv_cache import cache_kwargs, can_gather_slots, gather_slots, pop_prepared_cache
 from .metrics import SpeculationMetrics
 from .position_noise import PositionNoise
 from .prompt_lookup import HybridDrafter, lookup_drafts, with_lookup
@@ -271,10 +271,11 @@ class SpeculativeBatch:
         """
         Frees rejected drafts' slots once they pass `COMPACT_SHARE` of the cache: every row's kept slots move together,
         in order and left-padded, in every cache layer and in the mask. Positions stay as they were, so every row still
-        sees exactly its own tokens; later steps read fewer slots. A sliding window keeps too few slots to move.
+        sees exactly its own tokens; later steps read fewer slots. A sliding window keeps too few slots to move, and
+        offloaded or indexed caches are left as they are.
         """
         width, most = self.mask.shape[1], max(self.slots)
-        if width - most <= COMPACT_SHARE * width or any(self.cache.is_sliding):
+        if width - most <= COMPACT_SHARE * width or not can_gather_slots(self.cache):
             return
         # A stable sort puts each row's masked slots first and its kept ones last, both in order.
         order = torch.sort(self.mask, dim=1, stable=True).indices[:, width - most :]

@@ -254,3 +254,13 @@ def test_measurements_belong_to_their_model_and_die_with_it():
     del verifier
     gc.collect()
     assert len(cost_model._COST_MODELS) < held[0] and len(packed_linear._PAYS) < held[1]
+
+
+def test_a_cost_model_without_timings_times_a_depth():
+    """Steps that drafted from prompt lookup time nothing: a batch whose every step had a lookup row reaches the
+    controller with every depth tried and none timed. It times one instead of failing."""
+    costs = CostModel()
+    for m in range(1, 4):
+        costs.tried(100, m)
+    controller = SpeculationController(lambda rows: costs, AcceptanceEstimate(2), cap=2)
+    assert controller.start_step(cache_length=100, rows=2) in (0, 1, 2)

@@ -129,7 +129,8 @@ def test_cuda_timings_are_read_when_the_device_has_passed_them(monkeypatch):
         def __init__(self, enable_timing):
             assert enable_timing
 
-        def record(self):
+        def record(self, stream):
+            assert stream == "stream of cuda"  # the model's device's, not the current device's
             FakeEvent.clock += 1.0
             self.at = FakeEvent.clock
 
@@ -145,6 +146,7 @@ def test_cuda_timings_are_read_when_the_device_has_passed_them(monkeypatch):
             return (end.at - self.at) * 1000  # milliseconds
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
     stopwatch, seen = Stopwatch("cuda"), []
     for _ in range(3):
         stopwatch.report(stopwatch.stop(stopwatch.start()), seen.append)

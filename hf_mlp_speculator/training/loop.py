@@ -66,12 +66,14 @@ def load_base(args: SpeculatorTrainingArguments, device):
         raise ValueError(
             f"{args.base_model} is an encoder-decoder model; an MLPSpeculator drafts for decoder-only (causal) LMs."
         )
-    base.requires_grad_(False).eval().to(device)
-    if args.fsdp_base:
+    base.requires_grad_(False).eval()
+    if args.fsdp_base:  # sharding moves each layer's shard to the device: the whole base never goes there
         shard_base(base)
-    elif packed_matches_plain(base):
-        # The base only runs forward: oneDNN-packed weights make its batched decoding faster on CPU.
-        pack_linear_weights(base)
+    else:
+        base.to(device)
+        if packed_matches_plain(base):
+            # The base only runs forward: oneDNN-packed weights make its batched decoding faster on CPU.
+            pack_linear_weights(base)
     if getattr(base.config.get_text_config(), "hidden_size", None) is None:
         raise ValueError(
             f"The base model's config ({type(base.config).__name__}) has no hidden_size, which sizes the speculator's "

@@ -100,7 +100,8 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
         )
     batches = [held_out[i : i + args.generation_batch_size] for i in range(0, len(held_out), args.generation_batch_size)]
     evaluation = computed([continuation(b, args.eval_new_tokens, True, 0) for b in batches])
-    spent = sum(seconds for _, seconds in evaluation) / world  # the processes compute in parallel
+    parallel = 1 if args.fsdp_base else world  # a sharded base computes each batch with every process
+    spent = sum(seconds for _, seconds in evaluation) / parallel
 
     jobs = iter(_training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, held_out))
     parts, last_round = [], 0.0
@@ -112,8 +113,8 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
                 break
             results = computed([(key, build) for key, build, _ in round_])
             seconds = [built + extra for (_, built), (_, _, extra) in zip(results, round_)]
-            last_round = max(seconds)
-            spent += sum(seconds) / world
+            last_round = max(seconds) if parallel > 1 else sum(seconds)
+            spent += sum(seconds) / parallel
             parts += [targets for targets, _ in results]
             progress.update(0, positions=sum(len(p) for p in parts), minutes=f"{spent / 60:.1f}")
     if not parts and budget_seconds:
