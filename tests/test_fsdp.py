@@ -1,5 +1,6 @@
 """FSDP training on CPU: two processes (gloo) with the speculator sharded match one process, resume exactly after a
-SIGKILL, and publish a whole speculator that loads and decodes losslessly."""
+SIGKILL, and publish a whole speculator that loads and decodes losslessly; processes that accelerate does not join are
+refused."""
 
 import dataclasses
 import json
@@ -8,13 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 from test_training import CLI_ENV, as_flags, assert_same_weights, history, one_thread, toy, toy_args, weights  # noqa: F401
 from transformers import AutoModel, AutoModelForCausalLM
 
-from hf_mlp_speculator.training import latest_checkpoint, train
+from hf_mlp_speculator.training import latest_checkpoint, loop, train
 
 ENV = {**CLI_ENV, "ACCELERATE_USE_CPU": "true"}
 
@@ -184,3 +186,40 @@ def test_fsdp_needs_several_processes(toy, tmp_path, flag, what):
     name = "--" + flag.replace("_", "-")
     with pytest.raises(ValueError, match=f"{name} shards {what} across processes, and this run has one"):
         train(fsdp_settings(toy, tmp_path / "run", tmp_path / "cache", **{"fsdp": False, flag: True}))
+
+
+NOT_JOINED = (
+    "The launcher started {n} processes (WORLD_SIZE={n}), but accelerate sees this one alone, so each would train a "
+    "speculator of its own into the same --output-dir. "
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="accelerate joins CUDA processes without ACCELERATE_USE_CPU")
+def test_torchrun_on_cpu_without_accelerate_use_cpu_says_so(toy, tmp_path):
+    """Without ACCELERATE_USE_CPU=true, accelerate leaves CPU processes apart: each says so, in one line."""
+    args = fsdp_settings(toy, tmp_path / "run", tmp_path / "cache")
+    env = {k: v for k, v in CLI_ENV.items() if k != "ACCELERATE_USE_CPU"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+               "hf_mlp_speculator.training", *as_flags(args)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    expected = "hf-mlp-speculator train: error: " + NOT_JOINED.format(n=2) + (
+        "On a machine without CUDA, accelerate joins the processes only with ACCELERATE_USE_CPU=true in the "
+        "environment: launch with ACCELERATE_USE_CPU=true torchrun --nproc-per-node 2 -m hf_mlp_speculator.training ..."
+    )
+    assert result.stderr.splitlines().count(expected) == 2, result.stderr[-3000:]  # one line from each process
+    assert "ValueError" not in result.stderr  # no worker's traceback
+    assert not (tmp_path / "run").exists()
+
+
+def test_processes_accelerate_does_not_join_are_refused_with_cuda_too(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError) as error:
+        loop.check_launch(types.SimpleNamespace(num_processes=1))
+    assert str(error.value) == NOT_JOINED.format(n=4) + (
+        "Check how they were launched (`accelerate env` shows accelerate's settings)."
+    )
+    loop.check_launch(types.SimpleNamespace(num_processes=4))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    loop.check_launch(types.SimpleNamespace(num_processes=1))

@@ -1,10 +1,11 @@
 """The trainer end to end on a toy language: what it publishes, exact resumption after a SIGKILL from outside, two
-processes and gradient accumulation against one large batch, the output-folder guard, the time budget and bad
-settings."""
+processes and gradient accumulation against one large batch, the output-folder guard, checkpoints without the
+optimizer, failed and damaged checkpoints, the time budget and bad settings."""
 
 import argparse
 import copy
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM
 
 from conftest import make_verifier
+from hf_mlp_speculator import MLPSpeculatorPreTrainedModel, cli
 from hf_mlp_speculator.training import (
     SpeculatorTrainingArguments,
     add_arguments,
@@ -154,6 +156,10 @@ def test_lr_multiplier_warms_up_then_decays_along_a_cosine_to_min_lr_ratio():
         ({"data": ["x"], "seq_length": 4}, r"seq_length=4 is too short for n_predict=3.*n_predict \+ 2 = 5"),
         ({"eval_fraction": 1.0}, r"eval_fraction must be in \[0, 1\), got 1.0"),
         ({"max_train_minutes": -1}, r"max_train_minutes must be >= 0, got -1"),
+        ({"max_train_minutes": math.inf}, r"^max_train_minutes must be a finite number \(0 means no budget\), got inf\.$"),
+        ({"max_train_minutes": math.nan}, r"^max_train_minutes must be a finite number \(0 means no budget\), got nan\.$"),
+        ({"epochs": math.inf}, r"^epochs must be a finite number, got inf\.$"),
+        ({"learning_rate": math.nan}, r"^learning_rate must be a finite number, got nan\.$"),
         ({"dtype": "float64"}, r"dtype must be one of float32, bfloat16, float16, auto, got 'float64'"),
     ],
 )
@@ -561,3 +567,156 @@ def test_timing_a_step_for_the_budget_runs_the_update_and_then_undoes_it(toy, tm
     assert unbudgeted_updates == json.loads((tmp_path / "plain" / "trainer_state.json").read_text())["total_steps"]
     first = {run: history(tmp_path / run, "train/loss")[1] for run in ("plain", "budget")}
     assert first["budget"] == first["plain"]
+
+
+# Checkpoints without the optimizer's state, checkpoint writes that fail, and damaged checkpoints.
+
+
+def run_cli(args, capsys) -> str:
+    """The command line's one line of error for `args` (exit status 2, no traceback)."""
+    assert cli.main(["train", *as_flags(args)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("hf-mlp-speculator train: error: "), err
+    return line.removeprefix("hf-mlp-speculator train: error: ")
+
+
+def test_save_only_model_leaves_the_optimizer_out_and_resume_refuses_it(finished, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    args = dataclasses.replace(finished, output_dir=str(run), save_only_model=True)
+    train(args)
+    assert_same_weights(run, finished.output_dir)  # what checkpoints hold changes nothing of the run
+    for name in ("checkpoint-2", "checkpoint-4"):
+        assert sorted(p.name for p in (run / name).iterdir()) == ["config.json", "model.safetensors",
+                                                                 "trainer_state.json"]  # fmt: skip
+        # For evaluating or picking a checkpoint: the same speculator as a full checkpoint's.
+        assert_same_weights(run / name, Path(finished.output_dir) / name)
+        assert AutoModel.from_pretrained(run / name).config.n_predict == 3
+
+    def not_reached(*a, **kw):
+        raise AssertionError("the targets were computed before the checkpoint was refused")
+
+    monkeypatch.setattr(loop, "build_training_data", not_reached)
+    expected = (
+        f"--resume cannot continue from {run}/checkpoint-4: it holds no optimizer.pt (checkpoints written with "
+        "--save-only-model leave it out), and without the optimizer's state the run would not continue as it would "
+        "have. Such checkpoints are for evaluating or picking a speculator (from_pretrained loads them): to train "
+        "further, start a run into another --output-dir, without --save-only-model to resume it later."
+    )
+    for resumed in (dataclasses.replace(args, resume=True), dataclasses.replace(args, resume=True,
+                                                                                save_only_model=False)):  # fmt: skip
+        with pytest.raises(ValueError) as error:
+            train(resumed)
+        assert str(error.value) == expected
+    assert run_cli(dataclasses.replace(args, resume=True), capsys) == expected
+
+
+def files(folder) -> dict:
+    return {p.name: p.read_bytes() for p in Path(folder).iterdir()}
+
+
+NO_SPACE = OSError(errno.ENOSPC, "No space left on device")
+SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # torch.save on a full disk
+
+
+@pytest.mark.parametrize(
+    "error, reason",
+    [(NO_SPACE, "No space left on device"),
+     (RuntimeError(SHORT_WRITE), f"RuntimeError: {SHORT_WRITE}, a short write (is the disk full?)")],
+    ids=["ENOSPC", "torch-short-write"],
+)  # fmt: skip
+def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint_and_says_so(finished, tmp_path, monkeypatch, error,
+                                                                            reason):  # fmt: skip
+    run = tmp_path / "run"
+    kept = {}
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if Path(f).parent.name == ".tmp-checkpoint-4":
+            kept.update(files(run / "checkpoint-2"))
+            Path(f).write_bytes(b"half a file")  # what a full disk leaves
+            raise error
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    args = dataclasses.replace(finished, output_dir=str(run))
+    with pytest.raises(OSError) as raised:
+        train(args)
+    assert str(raised.value) == (
+        f"Writing checkpoint {run}/checkpoint-4 failed ({reason}), and nothing of it is left behind. The previous "
+        "checkpoint, checkpoint-2, is kept whole; --resume continues from it. To finish the run, free space on that "
+        "disk, train into another --output-dir or pass --save-only-model to leave the optimizer's state, most of a "
+        "checkpoint, out."
+    )
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-2", "run.json"]  # no hidden half-written folder
+    assert kept and files(run / "checkpoint-2") == kept
+
+    monkeypatch.undo()  # space freed
+    train(dataclasses.replace(args, resume=True))
+    assert_same_weights(run, finished.output_dir)
+
+
+def test_a_failed_final_save_leaves_no_partial_speculator_and_says_so(finished, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    real_save_pretrained = MLPSpeculatorPreTrainedModel.save_pretrained
+
+    def save_pretrained(self, folder, *args, **kwargs):
+        real_save_pretrained(self, folder, *args, **kwargs)
+        if Path(folder).name == ".tmp-final":
+            raise NO_SPACE  # after writing the weights: a partial final speculator is there to be cleaned up
+        return None
+
+    monkeypatch.setattr(MLPSpeculatorPreTrainedModel, "save_pretrained", save_pretrained)
+    args = dataclasses.replace(finished, output_dir=str(run))
+    assert run_cli(args, capsys) == (
+        f"Writing the final speculator into {run} failed (No space left on device), and nothing of it is left behind. "
+        "The previous checkpoint, checkpoint-4, is kept whole; --resume continues from it. To finish the run, free "
+        "space on that disk or train into another --output-dir."
+    )
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-2", "checkpoint-4", "run.json"]
+
+    monkeypatch.undo()
+    train(dataclasses.replace(args, resume=True))
+    assert_same_weights(run, finished.output_dir)
+
+
+def truncated(path: Path) -> bytes:
+    return path.read_bytes()[: path.stat().st_size // 2]
+
+
+@pytest.mark.parametrize(
+    "name, damage, reason",
+    [("checkpoint-4/optimizer.pt", truncated, r"RuntimeError: PytorchStreamReader failed reading zip archive: [^.]+"),
+     ("checkpoint-4/model.safetensors", truncated, r"\w+Error: [^.]+"),
+     ("checkpoint-4/trainer_state.json", lambda p: b"", re.escape("JSONDecodeError: Expecting value: line 1 column 1 "
+                                                                 "(char 0)")),
+     ("checkpoint-4/trainer_state.json", lambda p: b"[]", re.escape("ValueError: a JSON list, not an object")),
+     ("checkpoint-4/config.json", lambda p: b"", re.escape("JSONDecodeError: Expecting value: line 1 column 1 "
+                                                           "(char 0)"))],
+)  # fmt: skip
+def test_a_damaged_checkpoint_names_its_file_and_the_fix(finished, tmp_path, capsys, name, damage, reason):
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-a", finished.output_dir, str(run)], check=True)
+    (run / name).write_bytes(damage(run / name))
+    args = dataclasses.replace(finished, output_dir=str(run), resume=True)
+    fix = (f"The checkpoint is damaged: delete {run}/checkpoint-4 and --resume again to continue from checkpoint-2, "
+           "or train into another --output-dir.")  # fmt: skip
+    assert re.fullmatch(rf"{re.escape(str(run / name))} cannot be read \({reason}\)\. {re.escape(fix)}",
+                        run_cli(args, capsys))  # fmt: skip
+
+    # The fix works: the run continues from the checkpoint before, to the same speculator.
+    subprocess.run(["rm", "-r", str(run / "checkpoint-4")], check=True)
+    train(args)
+    assert_same_weights(run, finished.output_dir)
+
+
+def test_a_damaged_run_record_names_its_file_and_the_fix(finished, tmp_path, capsys):
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-a", finished.output_dir, str(run)], check=True)
+    (run / "run.json").write_text("")
+    for resume in (True, False):
+        assert run_cli(dataclasses.replace(finished, output_dir=str(run), resume=resume), capsys) == (
+            f"{run}/run.json cannot be read (JSONDecodeError: Expecting value: line 1 column 1 (char 0)). It records "
+            f"the settings of the run in {run}: restore it, or train into another --output-dir."
+        )

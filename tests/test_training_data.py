@@ -17,6 +17,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB, make_verifier
+from hf_mlp_speculator import cli
 from hf_mlp_speculator.default_models import evaluation_prompts
 from hf_mlp_speculator.training import SpeculatorTrainingArguments, training_data
 from hf_mlp_speculator.training.documents import Corpus, is_held_out, iter_documents, pack, tokenize
@@ -87,12 +88,86 @@ def test_broken_jsonl_names_the_file_and_line(tmp_path, tokenizer):
         list(iter_documents(str(path), tokenizer))
 
 
+SHAPE = '{"role": ..., "content": ...}'
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [({"text": 5}, "the 'text' field holds a number, not text. Give each record its text as a string, or chat "
+                   "`messages`."),
+     ({"text": None}, "the 'text' field holds null, not text. Give each record its text as a string, or chat "
+                      "`messages`."),
+     ({"text": ["a"]}, "the 'text' field holds a list, not text. Give each record its text as a string, or chat "
+                       "`messages`."),
+     ({"messages": ["hi"]}, f"message 1 of `messages` is a string; `messages` must be a list of {SHAPE} objects."),
+     ({"messages": [{"role": "user", "content": "hi"}, {"text": "yo"}]},
+      f"message 2 of `messages` is an object with the fields ['text']; `messages` must be a list of {SHAPE} objects."),
+     ({"messages": "hi"}, f"`messages` holds a string, not a list of {SHAPE} objects."),
+     ({"messages": []}, f"`messages` holds an empty list, not a list of {SHAPE} objects.")],
+)  # fmt: skip
+def test_records_that_are_not_text_name_the_file_line_and_what_is_wrong(tmp_path, tokenizer, record, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n\n" + json.dumps(record) + "\n")
+    documents = iter_documents(str(path), tokenizer)
+    assert next(documents) == "fine"
+    with pytest.raises(ValueError) as error:
+        next(documents)
+    assert str(error.value) == f"{path}:3: {message}"
+
+
+def test_records_with_empty_text_are_skipped_and_a_file_of_only_those_is_an_error(tmp_path, tokenizer, caplog):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["", "one", " \n ", "two"]))
+    with caplog.at_level(logging.WARNING, logger="hf_mlp_speculator"):
+        assert list(iter_documents(str(path), tokenizer)) == ["one", "two"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"{path}: 2 of its 4 records have empty or blank text; skipped."]
+    path.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"messages": [], "text": " "}) + "\n")
+    with pytest.raises(ValueError) as error:
+        list(iter_documents(str(path), tokenizer))
+    assert str(error.value) == (
+        f"{path} holds no usable prompt or document: the text of each of its 2 records is empty or blank. Give "
+        "records with text."
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_base")
+    make_verifier().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "records, message",
+    [([{"text": 5}], "{path}:1: the 'text' field holds a number, not text."),
+     ([{"text": None}], "{path}:1: the 'text' field holds null, not text."),
+     ([{"text": ["a"]}], "{path}:1: the 'text' field holds a list, not text."),
+     ([{"messages": ["hi"]}], "{path}:1: message 1 of `messages` is a string;"),
+     ([{"text": ""}] * 3, "{path} holds no usable prompt or document: the text of each of its 3 records is empty")],
+)  # fmt: skip
+def test_prompt_records_that_are_not_text_are_one_line_on_the_command_line(tiny_base, tmp_path, capsys, records,
+                                                                           message):  # fmt: skip
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["train", "--base-model", str(tiny_base), "--prompts", str(path), "--output-dir", str(tmp_path / "out"),
+            "--targets-cache", str(tmp_path / "cache"), "--report-to", "none"]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"hf-mlp-speculator train: error: {message.format(path=path)}")
+
+
 def test_parquet(tmp_path, tokenizer):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["one", "two", "three"]}), tmp_path / "a.parquet")
     assert list(iter_documents(str(tmp_path / "a.parquet"), tokenizer)) == ["one", "two", "three"]
+    pq.write_table(pa.table({"text": ["one", None]}), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r"b\.parquet row 2: the 'text' field holds null, not text\."):
+        list(iter_documents(str(tmp_path / "b.parquet"), tokenizer))
 
 
 def test_folder_reads_its_files_in_order_and_bad_sources_say_why(tmp_path, tokenizer):

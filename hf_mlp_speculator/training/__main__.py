@@ -1,9 +1,8 @@
-"""`python -m hf_mlp_speculator.training ...`: the same as `hf-mlp-speculator train ...` (what torchrun launches)."""
+"""`python -m hf_mlp_speculator.training ...`: the same as `hf-mlp-speculator train ...` (what torchrun launches),
+errors included: a mistake in the input is one line, not a traceback from every process."""
 
-import argparse
+import sys
 
-from . import add_arguments, run
+from ..cli import main
 
-parser = argparse.ArgumentParser(prog="python -m hf_mlp_speculator.training", description="Train an MLPSpeculator.")
-add_arguments(parser)
-raise SystemExit(run(parser.parse_args()))
+raise SystemExit(main(["train", *sys.argv[1:]]))

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -92,6 +93,12 @@ class SpeculatorTrainingArguments:
     eval_every: int = field(default=0, metadata={"help": "Evaluate every N steps; 0: ten times a run."})
     save_every: int = field(default=0, metadata={"help": "Checkpoint every N steps; 0: five times a run."})
     save_total_limit: int = field(default=2, metadata={"help": "Checkpoints kept on disk."})
+    save_only_model: bool = field(
+        default=False,
+        metadata={"help": "Checkpoints hold the speculator and the trainer's state but not the optimizer's (which is "
+                  "twice the speculator's size): for evaluating or picking a checkpoint, not for --resume, which "
+                  "refuses them."},
+    )  # fmt: skip
     logging_steps: int = field(default=10, metadata={"help": "Keep training metrics every N steps."})
     # Runtime.
     dtype: str = field(default="float32", metadata={"help": f"Base model dtype: {', '.join(DTYPES)}."})
@@ -129,6 +136,11 @@ class SpeculatorTrainingArguments:
                 "No training data given: pass prompts for the base model to continue (--prompts), text (--data), or "
                 "both."
             )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type is float and not math.isfinite(value):
+                no_limit = " (0 means no budget)" if f.name == "max_train_minutes" else ""
+                raise ValueError(f"{f.name} must be a finite number{no_limit}, got {value}.")
         positive = ("n_predict", "batch_size", "gradient_accumulation_steps", "generation_batch_size", "distill_top_k",
                     "eval_prompts", "prompt_length", "seq_length", "save_total_limit", "logging_steps")  # fmt: skip
         for name in positive:
@@ -166,10 +178,10 @@ class SpeculatorTrainingArguments:
 
     def result_settings(self) -> dict:
         """The settings that decide what the run computes, which a resumed run must share with the one it continues
-        (the paths of the output, the cache and the Hub, `resume` itself, and whether the base is sharded, which computes the
-        same targets, may change)."""
+        (the paths of the output, the cache and the Hub, `resume` itself, what checkpoints hold, and whether the base
+        is sharded, which computes the same targets, may change)."""
         ignored = {"output_dir", "resume", "targets_cache", "report_to", "push_to_hub", "hub_model_id",
-                   "logging_steps", "save_total_limit", "fsdp_base"}  # fmt: skip
+                   "logging_steps", "save_total_limit", "save_only_model", "fsdp_base"}  # fmt: skip
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
 

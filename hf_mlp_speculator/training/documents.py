@@ -22,19 +22,41 @@ PARQUET_SUFFIXES = (".parquet",)
 KNOWN_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 
+def _kind(value) -> str:
+    """A value's JSON type, as the user wrote it: null, a number, a list, ..."""
+    if value is None:
+        return "null"
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
+
+
 def _render(record: dict, tokenizer, text_field: str, where: str) -> str:
     """The text of one record: its `text_field`, or its chat `messages` rendered with the tokenizer's chat template."""
     if text_field in record:
-        return record[text_field]
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{where}: the {text_field!r} field holds {_kind(text)}, not text. Give each record its text as a "
+                "string, or chat `messages`."
+            )
+        return text
     if "messages" in record:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 f"{where} holds chat `messages` but the tokenizer has no chat template to render them with. Set "
                 "`tokenizer.chat_template`, or give the records a text field."
             )
-        # A conversation that ends with the user's turn is a prompt: it ends where the assistant's answer begins.
         messages = record["messages"]
-        awaiting_answer = bool(messages) and messages[-1].get("role") == "user"
+        shape = 'a list of {"role": ..., "content": ...} objects'
+        if not isinstance(messages, list) or not messages:
+            what = "an empty list" if messages == [] else _kind(messages)
+            raise ValueError(f"{where}: `messages` holds {what}, not {shape}.")
+        for number, message in enumerate(messages, 1):
+            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                what = f"an object with the fields {sorted(message)}" if isinstance(message, dict) else _kind(message)
+                raise ValueError(f"{where}: message {number} of `messages` is {what}; `messages` must be {shape}.")
+        # A conversation that ends with the user's turn is a prompt: it ends where the assistant's answer begins.
+        awaiting_answer = messages[-1]["role"] == "user"
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=awaiting_answer)
     raise ValueError(
         f"{where} has neither a {text_field!r} field nor chat `messages` (its fields: {sorted(record)}). Name the text "
@@ -86,9 +108,11 @@ def _iter_parquet(path: Path, tokenizer, text_field: str) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError as error:
         raise ValueError(f"Reading {path} needs pyarrow: `pip install pyarrow`.") from error
+    number = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
         for record in batch.to_pylist():
-            yield _render(record, tokenizer, text_field, str(path))
+            number += 1
+            yield _render(record, tokenizer, text_field, f"{path} row {number}")
 
 
 # What a `datasets` name looks like ("name" or "org/name"); anything else that does not exist is a mistyped path.
@@ -126,12 +150,22 @@ def iter_documents(source: str, tokenizer, text_field: str = "text", split: str 
             documents = _iter_jsonl(path, tokenizer, text_field)
         else:
             documents = _iter_parquet(path, tokenizer, text_field)
-        empty = True
+        read = usable = 0
         for document in documents:
-            empty = False
-            yield document
-        if empty:
+            read += 1
+            # Nothing to continue or to learn from, and an empty prompt would reach the base model as no tokens.
+            if document.strip():
+                usable += 1
+                yield document
+        if not read:
             raise ValueError(f"{source} holds no prompts or documents: it is empty or blank. Give a file with text.")
+        if not usable:
+            raise ValueError(
+                f"{source} holds no usable prompt or document: the text of each of its {read} records is empty or "
+                "blank. Give records with text."
+            )
+        if usable < read:
+            logger.warning_once(f"{source}: {read - usable} of its {read} records have empty or blank text; skipped.")
     elif path.is_file():
         raise ValueError(
             f"Cannot read {source}: its suffix {path.suffix!r} is not one of "

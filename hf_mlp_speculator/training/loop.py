@@ -17,6 +17,7 @@ all of them.
 import contextlib
 import copy
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -32,7 +33,15 @@ from ..configuration_mlp_speculator import MLPSpeculatorConfig
 from ..modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 from ..packed_linear import pack_linear_weights, packed_matches_plain
 from .arguments import SpeculatorTrainingArguments
-from .checkpoints import TrainerState, claim_output_dir, latest_checkpoint, load_checkpoint, save_checkpoint, save_final
+from .checkpoints import (
+    TrainerState,
+    check_resumable,
+    claim_output_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_final,
+)
 from .initialization import initialize_from_base
 from .losses import acceptance_counts, draft_index, token_losses
 from ..progress import Progress
@@ -304,6 +313,7 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision, log_with=_trackers(args.report_to), project_dir=output_dir
     )
+    check_launch(accelerator)
     for flag, what in (("fsdp", "the speculator"), ("fsdp_base", "the base model")):
         if getattr(args, flag) and accelerator.num_processes < 2:
             name = "--" + flag.replace("_", "-")
@@ -314,6 +324,9 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     if accelerator.is_main_process:
         claim_output_dir(output_dir, args.result_settings(), args.resume)
     accelerator.wait_for_everyone()
+    # Refused before the targets are computed, which can take most of a run.
+    if args.resume and (checkpoint := latest_checkpoint(output_dir)) is not None:
+        check_resumable(checkpoint)
     base, tokenizer = load_base(args, accelerator.device)
     budget = args.max_train_minutes * 60
     building = time.monotonic()
@@ -364,7 +377,8 @@ def train(args: SpeculatorTrainingArguments) -> Path:
         if "eval/loss" in metrics or state.step % args.logging_steps == 0:
             log(metrics)
         if saving:
-            whole, optimizer_state = whole_state(speculator, optimizer, args, accelerator)
+            whole, optimizer_state = whole_state(speculator, None if args.save_only_model else optimizer, args,
+                                                 accelerator)  # fmt: skip
             if accelerator.is_main_process:
                 save_checkpoint(whole, optimizer_state, state, output_dir, args.save_total_limit)
             accelerator.wait_for_everyone()
@@ -377,6 +391,27 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return output_dir
+
+
+def check_launch(accelerator) -> None:
+    """Refuses processes that a launcher started together but accelerate runs apart: each would train a speculator of
+    its own into the same folder."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched < 2 or accelerator.num_processes > 1:
+        return
+    if torch.cuda.is_available():
+        fix = "Check how they were launched (`accelerate env` shows accelerate's settings)."
+    else:
+        # accelerate makes a process group of CPU processes only when told to: torchrun alone does not.
+        fix = (
+            "On a machine without CUDA, accelerate joins the processes only with ACCELERATE_USE_CPU=true in the "
+            f"environment: launch with ACCELERATE_USE_CPU=true torchrun --nproc-per-node {launched} -m "
+            "hf_mlp_speculator.training ..."
+        )
+    raise ValueError(
+        f"The launcher started {launched} processes (WORLD_SIZE={launched}), but accelerate sees this one alone, so "
+        f"each would train a speculator of its own into the same --output-dir. {fix}"
+    )
 
 
 def whole_state(speculator, optimizer, args, accelerator):
