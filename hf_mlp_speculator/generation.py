@@ -211,6 +211,36 @@ def assistant_setting(name: str, speculator, generation_config, kwargs):
     return next((value for value in candidates if value is not None), None)
 
 
+# What a `generate()` call may pass besides model inputs: its own parameters and a few of the package's.
+_CALL_ARGUMENTS = {"inputs", "input_ids", "attention_mask", "position_ids", "use_cache", "tokenizer",
+                   "assistant_tokenizer", "kwargs"}  # fmt: skip
+
+
+def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: dict, sampling: str) -> bool:
+    """
+    Whether a call runs in transformers' assisted decoding rather than the package's own loop
+    (`speculative_decoding`), which reads the device once per step on every transformers release (transformers'
+    loop reads it once per cache layer per step before 5.18). transformers' loop takes one sequence and a chain, and
+    is what gives `speculative_sampling="rejection"`, per-token scores, logits, attentions or hidden states, a prompt
+    given as `inputs_embeds`, a cache passed in or other than a dynamic one, and model inputs besides the tokens.
+    """
+    if tree or rows > 1:
+        return False
+    if generation_config.do_sample:
+        return sampling == "rejection"
+    generate_parameters = set(inspect.signature(_STOCK["generate"]).parameters) | _CALL_ARGUMENTS
+    model_inputs = [name for name in kwargs if name not in generate_parameters and not hasattr(generation_config, name)]
+    return (
+        any(getattr(generation_config, name) for name in _OUTPUTS)
+        or kwargs.get("inputs_embeds") is not None
+        or generation_config.cache_implementation not in (None, "dynamic")
+        or bool(model_inputs)
+    )
+
+
+_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
 class MLPSpeculatorGenerationMixin:
     """
     Lets `generate(assistant_model=speculator)` draft with an MLPSpeculator. See the module docstring for the three
@@ -238,7 +268,7 @@ class MLPSpeculatorGenerationMixin:
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         rows = (1 if inputs is None else inputs.shape[0]) * (merged.num_return_sequences or 1)
         check_sampling(sampling, tree, rows)
-        if tree or rows > 1 or (merged.do_sample and sampling == "keyed"):
+        if not needs_transformers_loop(self, merged, kwargs, rows, tree, sampling):
             del kwargs["assistant_model"]
             # `generate` hands a `custom_generate` callable neither the streamer nor the tokenizer, without which it
             # cannot build the stop-string criterion: both travel with the loop.

@@ -15,7 +15,7 @@ stays identical and sampling exact: a lookup draft is a deterministic proposal, 
 import numpy as np
 import torch
 
-from .drafting import DraftTree, chain_tree
+from .drafting import Drafts
 
 # Weight of the latest step in a source's running score: a few steps are enough to follow the text from copied to
 # free-form and back.
@@ -110,7 +110,7 @@ def lookup_drafts(lookup: list[list[int]], use_lookup: list[bool], device):
     return host[:, 0].bool(), host[:, 1:]
 
 
-def with_lookup(speculator_chain: DraftTree, use_lookup, lookup) -> DraftTree:
+def with_lookup(speculator_chain: Drafts, use_lookup, lookup) -> Drafts:
     """One chain per row: the `lookup_drafts` where `use_lookup[i]`, else the speculator's drafts."""
     counts, tokens = lookup[:, 0], lookup[:, 1:]
     depth = max(speculator_chain.max_depth, tokens.shape[1])
@@ -118,10 +118,8 @@ def with_lookup(speculator_chain: DraftTree, use_lookup, lookup) -> DraftTree:
     def widened(t):
         return torch.cat([t, t.new_zeros(len(t), depth - t.shape[1])], dim=1)
 
-    chain = chain_tree(speculator_chain.tokens[:, 0],
-                       torch.where(use_lookup[:, None], widened(tokens), widened(speculator_chain.tokens[:, 1:])),
-                       torch.where(use_lookup, counts, speculator_chain.limits), depth)  # fmt: skip
-    if speculator_chain.confidences is not None:  # the controller learns the speculator's acceptance from them
-        chain.confidences = widened(speculator_chain.confidences)
-    chain.nonfinite = speculator_chain.nonfinite
-    return chain
+    drafts = torch.where(use_lookup[:, None], widened(tokens), widened(speculator_chain.tokens[:, 1:]))
+    confidences = speculator_chain.confidences  # the controller learns the speculator's acceptance from them
+    return Drafts(torch.cat([speculator_chain.tokens[:, :1], drafts], dim=1),
+                  torch.where(use_lookup, counts, speculator_chain.limits), depth,
+                  None if confidences is None else widened(confidences), speculator_chain.nonfinite)  # fmt: skip

@@ -29,13 +29,15 @@ padding changes only the order of floating-point sums, as it does for plain batc
 """
 
 import inspect
-from dataclasses import dataclass
+import math
 
 import torch
 from transformers import (
     DynamicCache,
+    EosTokenCriteria,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    MaxLengthCriteria,
     MinPLogitsWarper,
     StopStringCriteria,
     TemperatureLogitsWarper,
@@ -45,14 +47,11 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .controller import SpeculationController, Step, acceptance_for
-from .cost_model import Stopwatch, cost_model_for
-from .drafting import DraftTree, draft_chain, draft_tree
+from .drafter import Drafter, DraftStep
+from .drafting import Drafts
 from .host_transfer import to_host
 from .kv_cache import cache_kwargs, can_gather_slots, gather_slots, pop_prepared_cache
-from .metrics import SpeculationMetrics
 from .position_noise import PositionNoise
-from .prompt_lookup import HybridDrafter, lookup_drafts, with_lookup
 
 # Processors that read nothing but the scores run once on all rows; any other runs once per distinct row length.
 _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
@@ -77,8 +76,8 @@ def generate_speculatively(
     **model_kwargs,
 ):
     """
-    The decoding loop behind `generate(input_ids, attention_mask=..., assistant_model=speculator)` for a batch, and
-    behind `generate(..., assistant_model=speculator, n_candidates=..., top_k_tokens_per_head=...)` for trees (either
+    The decoding loop behind `generate(input_ids, assistant_model=speculator)`, for one prompt or a batch, and behind
+    `generate(..., assistant_model=speculator, n_candidates=..., top_k_tokens_per_head=...)` for trees (either
     argument turns trees on; the other comes from the speculator's config). Returns what `generate()` returns.
     `stop_string_criterion` is the one `generate()` could not build: it keeps the tokenizer from this loop.
     """
@@ -90,8 +89,7 @@ def generate_speculatively(
     if n_candidates is not None or top_k_tokens_per_head is not None:
         tree = (list(top_k_tokens_per_head or config.top_k_tokens_per_head), n_candidates or config.n_candidates)
         _check_tree(*tree, num_heads)
-    hybrid = HybridDrafter.for_call(input_ids.shape[0], generation_config)
-    if hybrid is not None and tree:
+    if generation_config.prompt_lookup_num_tokens and tree:
         raise ValueError(
             "prompt_lookup_num_tokens drafts chains next to the speculator's; it cannot join tree candidates "
             "(n_candidates / top_k_tokens_per_head). Drop one of the two."
@@ -107,58 +105,62 @@ def generate_speculatively(
     num_nodes = max(num_heads * (tree[1] if tree else 1), generation_config.prompt_lookup_num_tokens or 0)
     cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes)
     batch = SpeculativeBatch(model, speculator, input_ids, attention_mask, cache, generation_config, logits_processor,
-                             stopping_criteria, streamer, tree, hybrid)  # fmt: skip
+                             stopping_criteria, streamer, tree)  # fmt: skip
     batch.prefill(input_ids)
     while batch.next_step():
-        batch.accept(*batch.verify(*batch.draft()))
+        batch.step()
     return batch.finish()
 
 
 class SpeculativeBatch:
     """
-    The state of one call: every row's tokens (on the device, and on the host as lists), the rows still generating
-    (by their index in the call's batch), their attention mask over the cache slots, the KV cache, and what starts
-    each row's next draft (its last token, the hidden state that emitted it, its next position).
+    The state of one call: every row's tokens (on the host as lists, and on the device only where logits processors or
+    custom stopping criteria read them), the rows still generating (by their index in the call's batch), their
+    attention mask over the cache slots, the KV cache, and what starts each row's next draft (its last token, the
+    hidden state that emitted it, its next position).
     """
 
     def __init__(self, model, speculator, input_ids, attention_mask, cache, generation_config, logits_processor,
-                 stopping_criteria, streamer, tree, hybrid):  # fmt: skip
+                 stopping_criteria, streamer, tree):  # fmt: skip
         self.model, self.speculator, self.cache = model, speculator, cache
         self.generation_config, self.logits_processor = generation_config, logits_processor
-        self.stopping_criteria, self.streamer, self.tree, self.hybrid = stopping_criteria, streamer, tree, hybrid
-        config = speculator.config
-        self.num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
-        self.threshold = generation_config.assistant_confidence_threshold or 0.0
+        self.stopping_criteria, self.streamer, self.tree = stopping_criteria, streamer, tree
+        rows, prompt_length = input_ids.shape
         self.device = input_ids.device
         # Sampling keyed by position (see `position_noise`): the seed is drawn here, once, from torch's generator.
-        self.noise = PositionNoise(config.vocab_size, self.device) if generation_config.do_sample else None
-        self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        rows, prompt_length = input_ids.shape
-        pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
-        if pad is None:  # plain generate() pads with the first EOS id then
-            pad = eos[0] if isinstance(eos, list) else eos
-        self.pad = 0 if pad is None else int(pad)
-        # int64 whatever the prompt's integer type, as the tokens plain generate() appends are
-        self.sequences = torch.full((rows, generation_config.max_length), self.pad, device=self.device)
-        self.sequences[:, :prompt_length] = input_ids
-        self.lengths = torch.full((rows,), prompt_length, device=self.device)
-        self.rows = torch.arange(rows, device=self.device)
-        # Each row's tokens, prompt padding included, as `sequences` holds them, and its cache slots in use.
-        self.host_tokens, self.slots = to_host(input_ids, self.mask.sum(-1))
-        self.peak_slots = input_ids.shape[1]
-        self.host_rows, self.finished = list(range(rows)), [False] * rows
-        self.metrics = [SpeculationMetrics(num_speculative_tokens=self.num_heads) for _ in range(rows)]
+        self.noise = PositionNoise(speculator.config.vocab_size, self.device) if generation_config.do_sample else None
         if tree:  # a tree of depth d verifies its root and up to n_candidates nodes per depth
-            widths = [min(tree[1], _product(tree[0][:depth])) for depth in range(1, self.num_heads + 1)]
+            num_heads = min(speculator.config.n_predict, generation_config.num_assistant_tokens or tree[1])
+            widths = [min(tree[1], math.prod(tree[0][:depth])) for depth in range(1, num_heads + 1)]
             new_tokens = lambda depth: 1 + sum(widths[:depth])  # noqa: E731
         else:
             new_tokens = lambda depth: depth + 1  # noqa: E731
         kind = "tree" if tree else ("chain, sampled" if self.noise else "chain, greedy")
-        self.controller = SpeculationController(
-            lambda rows: cost_model_for(model, rows), acceptance_for(speculator, kind), self.num_heads, new_tokens,
-            generation_config.num_assistant_tokens_schedule,
-        )  # fmt: skip
-        self.stopwatch = Stopwatch(self.device)
+        self.drafter = Drafter(model, speculator, generation_config, rows, kind, new_tokens)
+        self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+        if pad is None:  # plain generate() pads with the first EOS id then
+            pad = eos[0] if isinstance(eos, list) else eos
+        self.pad = 0 if pad is None else int(pad)
+        # Maximum length and end-of-sequence ids are checked on the host, from the tokens read each step; any other
+        # stopping criterion (and any logits processor) reads the tokens on the device, kept there for them.
+        simple = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+        self.max_length = generation_config.max_length
+        eos_ids = [c.eos_token_id for c in stopping_criteria if type(c) is EosTokenCriteria]
+        self.host_tokens, self.slots, *eos_ids = to_host(input_ids, self.mask.sum(-1), *eos_ids)
+        self.eos = {token for ids in eos_ids for token in ([ids] if isinstance(ids, int) else ids)}
+        self.sequences = None
+        if logits_processor or not simple:
+            # int64 whatever the prompt's integer type, as the tokens plain generate() appends are
+            self.sequences = torch.full((rows, self.max_length), self.pad, device=self.device)
+            self.sequences[:, :prompt_length] = input_ids
+            self.lengths = torch.full((rows,), prompt_length, device=self.device)
+        self.rows = torch.arange(rows, device=self.device)
+        self.peak_slots = prompt_length
+        self.host_rows, self.finished = list(range(rows)), [False] * rows
+        takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.forward_kwargs = dict(use_cache=True, output_hidden_states=-1, **cache_kwargs(model, cache))
+        self.keep_logits = takes_logits_to_keep
         self.streamed = prompt_length  # columns handed to the streamer
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -166,18 +168,21 @@ class SpeculativeBatch:
     def host_lengths(self) -> list[int]:
         return [len(self.host_tokens[row]) for row in self.host_rows]
 
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
+        kwargs = {"logits_to_keep": logits_to_keep} if self.keep_logits else {}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          **self.forward_kwargs, **kwargs)  # fmt: skip
+
     def prefill(self, input_ids) -> None:
         """The prompt emits the first token, and the hidden state that emitted it starts the first draft."""
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        outputs = _forward(self.model, input_ids, self.mask, positions, self.cache, logits_to_keep=1)
-        self.last_tokens = self.select(self.process(outputs.logits[:, -1].float()))
-        self.hidden = outputs.hidden_states[-1][:, -1]
+        outputs = self.forward(input_ids, self.mask, positions, logits_to_keep=1)
+        tokens = self.select(self.process(outputs.logits[:, -1].float()))[:, None]
+        self.hidden, self.last_tokens = outputs.hidden_states[-1][:, -1], tokens[:, 0]
         self.next_position = self.mask.sum(-1)
-        _, finished = self.emit(self.last_tokens[:, None], torch.ones_like(self.last_tokens))
-        tokens, self.finished = to_host(self.last_tokens, finished)
-        for row, token in zip(self.host_rows, tokens):
-            self.host_tokens[row].append(token)
-        self.stream()
+        # Each row's room for drafts is `room_end - next_position`, on the device as well as on the host.
+        self.room_end = self.next_position + self.max_length - 2 - input_ids.shape[1]  # after the token below
+        self.emit(tokens, None, None)
 
     def next_step(self) -> bool:
         """Drops the rows that finished (one transfer to the device when some did); whether any row still generates."""
@@ -189,83 +194,151 @@ class SpeculativeBatch:
             self.cache.batch_select_indices(index)
             self.rows, self.mask, self.hidden = self.rows[index], self.mask[index], self.hidden[index]
             self.last_tokens, self.next_position = self.last_tokens[index], self.next_position[index]
+            self.room_end = self.room_end[index]
             self.host_rows, self.finished = [self.host_rows[i] for i in keep], [False] * len(keep)
             self.slots = [self.slots[i] for i in keep]
-        self.stopwatch.poll()
         if self.noise is not None:
             self.noise.new_step()
         return True
 
-    def draft(self) -> tuple[DraftTree, "StepRecord"]:
-        """This step's drafts for every row, as deep as the controller and each row's room allow."""
-        room = [max(0, self.generation_config.max_length - length - 1) for length in self.host_lengths()]
-        limits = (self.generation_config.max_length - self.lengths[self.rows] - 1).clamp(min=0, max=self.num_heads)
-        planned = self.controller.start_step(self.cache.get_seq_length(), len(self.host_rows))
-        step = StepRecord(self.controller.step, [False] * len(room))
-        most = min(self.num_heads, max(room))  # a row's verifier forward adds one token of its own
-        if self.hybrid is not None:  # on the host, before any head: rows that draft from lookup run none
-            step.lookup, step.from_lookup = self.hybrid.propose(self.host_tokens, self.host_rows, room)
-            use_lookup, lookup = lookup_drafts(step.lookup, step.from_lookup, self.device)
-            limits = torch.where(use_lookup, 0, limits)
-        hidden = self.hidden.to(self.speculator.device, self.speculator.dtype)
-        heads = self.speculator.speculator
-        mark = self.stopwatch.start()
-        if self.tree:
-            depth = min(planned, most)
-            drafts = draft_tree(heads, hidden, self.last_tokens, limits.clamp(max=depth), depth, *self.tree)
+    def step(self) -> None:
+        """Drafts, verifies every row's drafts in one forward, and keeps what the verifier confirms."""
+        drafts, step = self.draft()
+        outputs = self.verify(drafts, step)
+        if drafts.tree is None:
+            new_tokens, accepted, kept = self.accept_chain(drafts, outputs)
+            best = None  # a chain's last kept node is its last accepted draft
         else:
-            depth = 0 if all(step.from_lookup) else min(self.controller.chain_depth(planned), most)
-            drafts = draft_chain(heads, hidden, self.last_tokens, limits.clamp(max=depth), depth, self.process,
-                                 self.select, self.threshold)  # fmt: skip
-        timing = self.stopwatch.stop(mark)
-        if depth:
-            self.stopwatch.report(timing, lambda seconds: self.controller.record_drafts(step.step, depth, seconds))
-        if not self.tree and depth > 1 and self.controller.cuts:
-            drafts = drafts.cut(self.controller.chain_end(*to_host(drafts.confidences, drafts.limits)))
-        if self.hybrid is not None:
-            drafts = with_lookup(drafts, use_lookup, lookup)
-        return drafts, step
-
-    def verify(self, drafts: DraftTree, step: "StepRecord") -> tuple:
-        """Every row's drafts in one forward: each sees its row's kept cache slots and its own ancestors."""
-        ancestors = drafts.ancestors()
-        if self.tree:
-            attention = _tree_attention_mask(self.mask, ancestors, self.model.dtype)
-        else:  # a chain is causal: the plain 2D mask, which every model takes
-            attention = torch.cat([self.mask, torch.ones_like(drafts.tokens)], dim=1)
-        positions = self.next_position[:, None] + drafts.depths
-        mark = self.stopwatch.start()
-        outputs = _forward(self.model, drafts.tokens, attention, positions, self.cache,
-                           logits_to_keep=drafts.num_nodes)  # fmt: skip
-        step.timing = self.stopwatch.stop(mark)
-        return drafts, step, ancestors, outputs
-
-    def accept(self, drafts: DraftTree, step: "StepRecord", ancestors, outputs) -> None:
-        """Keeps each row's longest path the verifier confirms, then its own next token: emits them, one transfer."""
-        paths = drafts.paths()
-        best, next_tokens = _accept_greedy(drafts, self.targets(drafts, paths, outputs.logits.float()))
-        batch_rows = torch.arange(len(self.host_rows), device=self.device)
-        accepted = drafts.depths[batch_rows, best]
-        new_tokens = torch.cat([paths[batch_rows, best], next_tokens[:, None]], dim=1)
-        new_tokens[batch_rows, accepted] = next_tokens
-        kept, finished = self.emit(new_tokens, accepted + 1)
-        host = to_host(best, accepted, kept, finished, new_tokens, drafts.tokens, drafts.limits, drafts.confidences,
-                       drafts.nonfinite)  # fmt: skip
-        self.record(drafts, step, *host)
-
-        # Keep the slots of the root and the accepted path; crop the slots that no row kept (the deepest kept slot
-        # of a row is its best node: ancestors come first).
-        self.mask = torch.cat([self.mask, ancestors[batch_rows, best].long()], dim=1)
+            new_tokens, accepted, best, kept = self.accept_tree(drafts, outputs)
+        deepest = self.emit(new_tokens, accepted, drafts, step, best)
+        # Keep the slots of the root and the accepted path; crop the slots that no row kept (the deepest kept slot of
+        # a row is its last kept node: ancestors come first).
+        self.mask = torch.cat([self.mask, kept.long()], dim=1)
         self.peak_slots = max(self.peak_slots, self.mask.shape[1])
-        self.slots = [slots + count + 1 for slots, count in zip(self.slots, host[1])]
-        unused = drafts.num_nodes - 1 - max(host[0])
+        unused = drafts.num_nodes - 1 - deepest
         if unused:
             self.cache.crop(-unused)
             self.mask = self.mask[:, :-unused]
         self.compact()
-        self.hidden = outputs.hidden_states[-1][batch_rows, best]
-        self.last_tokens = next_tokens
+
+    def draft(self) -> tuple[Drafts, DraftStep]:
+        """This step's drafts for every row, as deep as the controller and each row's room allow."""
+        room = [max(0, self.max_length - length - 1) for length in self.host_lengths()]
+        step = self.drafter.start_step(self.cache.get_seq_length(), self.host_tokens, self.host_rows, room)
+        most = min(self.drafter.num_heads, max(room))  # a row's verifier forward adds one token of its own
+        limits = None  # every row may draft `most`; rows near the maximum length may not
+        if min(room) < most:
+            limits = (self.room_end - self.next_position).clamp(min=0, max=most)
+        drafts = self.drafter.draft(step, self.hidden, self.last_tokens, limits, most, self.process_drafts,
+                                    self.select if self.noise else None, self.tree)  # fmt: skip
+        return drafts, step
+
+    def verify(self, drafts: Drafts, step: DraftStep):
+        """Every row's drafts in one forward: each sees its row's kept cache slots and its own ancestors."""
+        if drafts.tree is not None:
+            self.ancestors = drafts.tree.ancestors()
+            attention = _tree_attention_mask(self.mask, self.ancestors, self.model.dtype)
+            depths = drafts.tree.depths
+        else:  # a chain is causal: the plain 2D mask, which every model takes
+            attention = torch.cat([self.mask, self.mask.new_ones(drafts.tokens.shape)], dim=1)
+            depths = torch.arange(drafts.num_nodes, device=self.device)
+        mark = self.drafter.start_verify()
+        outputs = self.forward(drafts.tokens, attention, self.next_position[:, None] + depths, drafts.num_nodes)
+        self.drafter.stop_verify(step, mark)
+        return outputs
+
+    def accept_chain(self, drafts: Drafts, outputs):
+        """
+        Each row keeps its drafts up to the first the verifier disagrees with, then the verifier's own next token. So
+        the tokens emitted are the verifier's own choices at the first `accepted + 1` nodes. Returns the verifier's
+        tokens, how many drafts each row accepted, and which of the step's cache slots each row keeps.
+        """
+        targets = self.targets(drafts, outputs.logits)
+        hidden = outputs.hidden_states[-1]
+        if drafts.num_nodes == 1:  # a plain step
+            self.hidden, self.last_tokens = hidden[:, 0], targets[:, 0]
+            self.next_position = self.next_position + 1
+            return targets, None, torch.ones_like(targets)
+        nodes = torch.arange(drafts.num_nodes, device=self.device)
+        matched = (drafts.tokens[:, 1:] == targets[:, :-1]) & (nodes[:-1] < drafts.limits[:, None])
+        accepted = matched.cumprod(dim=1).sum(dim=1)
+        batch_rows = torch.arange(len(self.host_rows), device=self.device)
+        self.hidden, self.last_tokens = hidden[batch_rows, accepted], targets[batch_rows, accepted]
         self.next_position = self.next_position + accepted + 1
+        return targets, accepted, nodes <= accepted[:, None]
+
+    def accept_tree(self, drafts: Drafts, outputs):
+        """
+        Each row keeps its longest path the verifier confirms, then the verifier's own next token. Returns each row's
+        tokens (the path, then that token), how many drafts it accepted, and which cache slots it keeps.
+        """
+        paths = drafts.tree.paths(drafts.tokens, drafts.max_depth)
+        best, next_tokens = _accept_greedy(drafts, self.targets(drafts, outputs.logits, paths))
+        batch_rows = torch.arange(len(self.host_rows), device=self.device)
+        accepted = drafts.tree.depths[batch_rows, best]
+        new_tokens = torch.cat([paths[batch_rows, best], next_tokens[:, None]], dim=1)
+        new_tokens[batch_rows, accepted] = next_tokens
+        self.hidden, self.last_tokens = outputs.hidden_states[-1][batch_rows, best], next_tokens
+        self.next_position = self.next_position + accepted + 1
+        return new_tokens, accepted, best, self.ancestors[batch_rows, best]
+
+    def emit(self, tokens, accepted, drafts: Drafts | None, step: DraftStep | None = None, best=None) -> int:
+        """
+        Appends each row's first `accepted + 1` of `tokens` (one token after prefill, where `drafts` is None), up to
+        where it stops, reading the device once; then the host's side of the step: tokens, metrics, the controller's
+        estimates, hybrid scores, the streamer. Returns the deepest node any row kept (`best`, for a tree).
+        """
+        counts = 1 if accepted is None else accepted + 1
+        kept = finished = None
+        if self.sequences is not None:  # the stopping criteria read the tokens on the device
+            kept, finished = self.emit_on_device(tokens, counts if accepted is not None else None)
+        step_values = [None] * 4 if drafts is None else [drafts.limits, drafts.confidences, drafts.nonfinite,
+                                                          drafts.tokens if self.drafter.hybrid else None]  # fmt: skip
+        tokens, accepted, kept, finished, best, limits, confidences, nonfinite, verified = to_host(
+            tokens, accepted, kept, finished, best, *step_values
+        )
+        accepted = accepted or [0] * len(tokens)  # a plain step accepts nothing
+        emitted = []
+        for i, (row, row_tokens) in enumerate(zip(self.host_rows, tokens)):
+            row_tokens = row_tokens[: accepted[i] + 1 if kept is None else kept[i]]
+            if kept is None:  # the end-of-sequence and maximum-length checks, on the host
+                ends = [j for j, token in enumerate(row_tokens) if token in self.eos]
+                row_tokens = row_tokens[: min(ends[0] + 1 if ends else len(row_tokens),
+                                              self.max_length - len(self.host_tokens[row]))]  # fmt: skip
+                self.finished[i] = bool(ends) or len(self.host_tokens[row]) + len(row_tokens) >= self.max_length
+            else:
+                self.finished[i] = bool(finished[i])
+            self.host_tokens[row] += row_tokens
+            emitted.append(row_tokens)
+        if drafts is not None:
+            self.slots = [slots + count + 1 for slots, count in zip(self.slots, accepted)]
+            verified = verified and [row[1 : limit + 1] for row, limit in zip(verified, limits)]
+            self.drafter.end_step(step, self.host_rows, limits, accepted, [len(row) for row in emitted], confidences,
+                                  [bool(b) for b in nonfinite or [0] * len(limits)], drafts.num_nodes, verified,
+                                  emitted)  # fmt: skip
+        self.stream()
+        return max(accepted if best is None else best)
+
+    def emit_on_device(self, tokens, counts):
+        """
+        Writes up to `counts[i]` of `tokens[i]` (all of them where None) into each row's device copy, stopping a row
+        where the stopping criteria say, without reading the device. Returns how many each row kept and whether it
+        finished.
+        """
+        counts = torch.full_like(self.rows, tokens.shape[1]) if counts is None else counts
+        kept = torch.zeros_like(counts)
+        finished = torch.zeros_like(counts, dtype=torch.bool)
+        ends, host_ends, last = self.lengths[self.rows], self.host_lengths(), self.sequences.shape[1] - 1
+        for column in range(tokens.shape[1]):
+            live = (column < counts) & ~finished
+            where = (ends + column).clamp(max=last)  # rows not live write back what is there
+            self.sequences[self.rows, where] = torch.where(live, tokens[:, column], self.sequences[self.rows, where])
+            kept += live
+            stop = _at_own_lengths(lambda ids, _: self.stopping_criteria(ids, None), self.sequences, self.rows,
+                                   ends + column + 1, [min(end + column, last) + 1 for end in host_ends])  # fmt: skip
+            finished |= live & stop.bool()
+        self.lengths[self.rows] = ends + kept
+        return kept, finished
 
     def compact(self) -> None:
         """
@@ -282,41 +355,32 @@ class SpeculativeBatch:
         self.mask = self.mask.gather(1, order)
         gather_slots(self.cache, order)
 
-    def targets(self, drafts: DraftTree, paths, scores) -> torch.LongTensor:
-        """The verifier's token after each node's path, picked from its `scores` as plain decoding would."""
-        host_depths = [drafts.node_depths(i) for i in range(len(self.host_rows))]
+    def targets(self, drafts: Drafts, scores, paths=None) -> torch.LongTensor:
+        """
+        The verifier's token after each node, picked from its `scores` as plain decoding would: the logits processors
+        see each node's row followed by the drafts on its path (`paths`, for a tree).
+        """
         if self.logits_processor:
-            scores = torch.stack([self.process(scores[:, node], paths[:, node], drafts.depths[:, node],
-                                               [depths[node] for depths in host_depths])
-                                  for node in range(drafts.num_nodes)], dim=1)  # fmt: skip
+            host_depths = [drafts.node_depths(i) for i in range(len(self.host_rows))]
+            scores = scores.float()
+            if paths is None:  # a chain's node `q` follows drafts 1 .. q in every row
+                scores = torch.stack([self.process(scores[:, q], drafts.tokens[:, 1 : q + 1])
+                                      for q in range(drafts.num_nodes)], dim=1)  # fmt: skip
+            else:
+                scores = torch.stack([self.process(scores[:, node], paths[:, node], drafts.tree.depths[:, node],
+                                                   [depths[node] for depths in host_depths])
+                                      for node in range(drafts.num_nodes)], dim=1)  # fmt: skip
         if self.noise is None:
             return scores.argmax(dim=-1)
         rows = [row for row in self.host_rows for _ in range(drafts.num_nodes)]
-        positions = [length + depth for length, depths in zip(self.host_lengths(), host_depths) for depth in depths]
+        positions = [length + depth for i, length in enumerate(self.host_lengths()) for depth in drafts.node_depths(i)]
         return self.noise.sample(scores.flatten(0, 1), rows, positions).view(drafts.tokens.shape)
 
-    def record(self, drafts, step, best, accepted, kept, finished, new_tokens, tokens, limits, confidences,
-               nonfinite) -> None:  # fmt: skip
-        """The host's side of a step: tokens, metrics, the controller's estimates, hybrid scores, the streamer."""
-        self.finished = finished
-        emitted = [row_tokens[:count] for row_tokens, count in zip(new_tokens, kept)]
-        for row, row_emitted in zip(self.host_rows, emitted):
-            self.host_tokens[row] += row_emitted
-        for row, drafted, count, lookup, broken in zip(self.host_rows, limits, kept, step.from_lookup, nonfinite):
-            self.metrics[row].record_step(drafted, count - 1, from_lookup=lookup, nonfinite=bool(broken))
-        if self.tree:  # a tree's drafts have no single confidence: one bin holds its acceptance per depth
-            confidences = [[0.5] * self.num_heads for _ in limits]
-        if confidences is not None:  # the speculator's rows only: the controller sizes its chains
-            own = [i for i, lookup in enumerate(step.from_lookup) if not lookup]
-            self.controller.acceptance.record([confidences[i] for i in own], [limits[i] for i in own],
-                                              [accepted[i] for i in own])  # fmt: skip
-        if not any(step.from_lookup):  # lookup drafts may run deeper than the depths the controller weighs
-            depth, nodes = max(limits), drafts.num_nodes
-            self.stopwatch.report(step.timing, lambda s: self.controller.end_step(step.step, depth, s, nodes))
-        if self.hybrid is not None:
-            verified = [row_tokens[1 : limit + 1] for row_tokens, limit in zip(tokens, limits)]
-            self.hybrid.record(self.host_rows, step.lookup, step.from_lookup, verified, emitted)
-        self.stream()
+    def process_drafts(self, scores, drafts: list):
+        """The logits processors on a draft's scores, each row followed by the drafts before it (a list)."""
+        if not self.logits_processor:
+            return scores
+        return self.process(scores, torch.stack(drafts, dim=1) if drafts else None)
 
     def process(self, scores, extra=None, depths=None, host_depths=None):
         """
@@ -346,25 +410,6 @@ class SpeculativeBatch:
             return scores.argmax(dim=-1)
         return self.noise.sample(scores, self.host_rows, [length + depth for length in self.host_lengths()])
 
-    def emit(self, tokens, counts):
-        """
-        Appends up to `counts[i]` of `tokens[i]` to each row, stopping a row where the stopping criteria say, without
-        reading the device. Returns how many each row kept and whether it finished.
-        """
-        kept = torch.zeros_like(counts)
-        finished = torch.zeros_like(counts, dtype=torch.bool)
-        ends, host_ends, last = self.lengths[self.rows], self.host_lengths(), self.sequences.shape[1] - 1
-        for column in range(tokens.shape[1]):
-            live = (column < counts) & ~finished
-            where = (ends + column).clamp(max=last)  # rows not live write back what is there
-            self.sequences[self.rows, where] = torch.where(live, tokens[:, column], self.sequences[self.rows, where])
-            kept += live
-            stop = _at_own_lengths(lambda ids, _: self.stopping_criteria(ids, None), self.sequences, self.rows,
-                                   ends + column + 1, [min(end + column, last) + 1 for end in host_ends])  # fmt: skip
-            finished |= live & stop.bool()
-        self.lengths[self.rows] = ends + kept
-        return kept, finished
-
     def stream(self) -> None:
         """
         Streams whole batches in their original row order, as plain `generate()` does: the columns that every row
@@ -381,46 +426,28 @@ class SpeculativeBatch:
 
     def finish(self):
         """What `generate()` returns; the call's metrics go on the speculator."""
-        self.stopwatch.poll(wait=True)
         if self.streamer is not None:
             self.streamer.end()
-        speculator, num_heads = self.speculator, self.num_heads
-        speculator.speculation_metrics_per_row = self.metrics
-        speculator.speculation_metrics = sum(self.metrics, SpeculationMetrics(num_speculative_tokens=num_heads))
-        self.controller.report_to(speculator.speculation_metrics)
+        speculator = self.speculator
+        speculator.speculation_metrics = self.drafter.finish()
+        speculator.speculation_metrics_per_row = self.drafter.metrics
         speculator.speculation_metrics.cache_slots = self.peak_slots
-        output = self.sequences[:, : max(map(len, self.host_tokens))]
+        width = max(map(len, self.host_tokens))
+        output = torch.tensor([row + [self.pad] * (width - len(row)) for row in self.host_tokens], device=self.device)
         if self.generation_config.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(sequences=output)
         return output
 
 
-@dataclass
-class StepRecord:
-    """The host's record of a step: the controller's step, which rows drafted from prompt lookup (and what lookup
-    proposed), and the timing of the verifier's forward."""
-
-    step: Step
-    from_lookup: list[bool]
-    lookup: list[list[int]] | None = None
-    timing: object = None
-
-
-def _product(values) -> int:
-    out = 1
-    for value in values:
-        out *= value
-    return out
-
-
-def _accept_greedy(drafts: DraftTree, targets: torch.LongTensor):
-    """The deepest node whose path the verifier's argmax confirms all the way (first such node on ties)."""
+def _accept_greedy(drafts: Drafts, targets: torch.LongTensor):
+    """The deepest node whose path the verifier's token confirms all the way (first such node on ties)."""
+    tree = drafts.tree
     rows = torch.arange(drafts.tokens.shape[0], device=targets.device)
-    confirmed = drafts.valid & (drafts.tokens == targets.gather(1, drafts.parents))
+    confirmed = tree.valid & (drafts.tokens == targets.gather(1, tree.parents))
     confirmed[:, 0] = True
     for node in range(1, drafts.num_nodes):  # a node counts only if its parent does
-        confirmed[:, node] &= confirmed[rows, drafts.parents[:, node]]
-    best = torch.where(confirmed, drafts.depths, -1).argmax(dim=-1)
+        confirmed[:, node] &= confirmed[rows, tree.parents[:, node]]
+    best = torch.where(confirmed, tree.depths, -1).argmax(dim=-1)
     return best, targets[rows, best]
 
 
@@ -440,13 +467,6 @@ def _at_own_lengths(fn, ids, rows, ends, host_ends: list[int], values=None):
         hit = (ends == end).view(-1, *[1] * (result.dim() - 1))
         out = torch.where(hit, result, torch.zeros_like(result) if out is None else out)
     return out
-
-
-def _forward(model, input_ids, attention_mask, position_ids, cache, logits_to_keep):
-    takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-    kwargs = {"logits_to_keep": logits_to_keep} if takes_logits_to_keep else {}
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                 output_hidden_states=-1, **cache_kwargs(model, cache), **kwargs)  # fmt: skip
 
 
 def _tree_attention_mask(mask, ancestors, dtype):

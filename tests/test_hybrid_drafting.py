@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import make_speculator, make_verifier
-from hf_mlp_speculator.drafting import chain_tree
+from hf_mlp_speculator.drafting import Drafts
 from hf_mlp_speculator.prompt_lookup import HybridDrafter, lookup_continuation, lookup_drafts, with_lookup
 from test_sampling import chi_square_p_value, exact_distribution, sampled_counts, sharp_pair
 
@@ -43,10 +43,10 @@ def test_each_row_drafts_from_the_source_that_lately_matched_longer():
 
     # On the device: row 0's chain is its lookup continuation (no heads ran for it), row 1's the speculator's.
     use, drafts = lookup_drafts(lookup, use_lookup, "cpu")
-    speculator_chain = chain_tree(torch.tensor([4, 8]), torch.tensor([[0, 0], [9, 9]]), torch.tensor([0, 2]), 2)
+    speculator_chain = Drafts(torch.tensor([[4, 0, 0], [8, 9, 9]]), torch.tensor([0, 2]), 2)
     merged = with_lookup(speculator_chain, use, drafts)
-    assert merged.tokens[0].tolist() == [4, 5, 6, 1, 2] and merged.valid[0].all()
-    assert merged.tokens[1, :3].tolist() == [8, 9, 9] and merged.valid[1].tolist() == [True] * 3 + [False] * 2
+    assert merged.tokens[0].tolist() == [4, 5, 6, 1, 2] and merged.limits.tolist() == [4, 2]
+    assert merged.tokens[1, :3].tolist() == [8, 9, 9] and merged.max_depth == 4
 
     # A row that left the batch keeps its scores under its original index; room caps the lookup draft. Row 0's
     # speculator score did not move while it drafted from lookup.

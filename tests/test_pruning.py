@@ -9,14 +9,18 @@ import pytest
 import torch
 from conftest import expected_steps, make_oracle, make_prompt, make_verifier
 
+from hf_mlp_speculator import MLPSpeculatorCandidateGenerator, generation
+from hf_mlp_speculator.speculative_decoding import SpeculativeBatch
 
+
+@pytest.mark.parametrize("loop", ["ours", "transformers"])
 @pytest.mark.parametrize("n_predict", [1, 2, 3, 5])
 @pytest.mark.parametrize("pattern", [lambda p, h: (p + h) % 3 == 2, lambda p, h: (p * p + h) % 3 == 1])
-def test_acceptance_is_exactly_what_the_right_rows_give(n_predict, pattern):
+def test_acceptance_is_exactly_what_the_right_rows_give(n_predict, pattern, loop):
     verifier, prompt = make_verifier(), make_prompt()
     speculator = make_oracle(verifier, prompt, 40, n_predict=n_predict, wrong=pattern)
-    output = verifier.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=speculator)
-    assert torch.equal(output, verifier.generate(prompt, max_new_tokens=40, do_sample=False))
+    output = greedy(verifier, prompt, loop, assistant_model=speculator)
+    assert torch.equal(output, greedy(verifier, prompt, loop))
 
     steps = expected_steps(prompt.shape[1], 40, n_predict, pattern)
     metrics = speculator.speculation_metrics
@@ -30,25 +34,38 @@ def test_acceptance_is_exactly_what_the_right_rows_give(n_predict, pattern):
     assert speculator.speculator.positions_seen[0] == prompt.shape[1] - 1
 
 
-def test_wrong_row_would_be_caught():
+def greedy(verifier, prompt, loop, **kwargs):
+    """Greedy `generate()` in the package's loop, or in transformers' (where per-token scores send it)."""
+    if loop == "ours":
+        return verifier.generate(prompt, max_new_tokens=40, do_sample=False, **kwargs)
+    output = verifier.generate(prompt, max_new_tokens=40, do_sample=False, return_dict_in_generate=True,
+                               output_scores=True, **kwargs)  # fmt: skip
+    assert len(output.scores) == 40  # only transformers' loop returns them
+    return output.sequences
+
+
+@pytest.mark.parametrize("loop", ["ours", "transformers"])
+def test_wrong_row_would_be_caught(loop, monkeypatch):
     """The check above has teeth: drafting from the last verified row instead of row m changes the counts."""
     verifier, prompt = make_verifier(), make_prompt()
     pattern = lambda p, h: (p + h) % 3 == 2  # noqa: E731
     speculator = make_oracle(verifier, prompt, 40, n_predict=3, wrong=pattern)
+    if loop == "ours":
+        accept_chain = SpeculativeBatch.accept_chain
 
-    from hf_mlp_speculator import MLPSpeculatorCandidateGenerator
+        def last_row(self, drafts, outputs):
+            result = accept_chain(self, drafts, outputs)
+            self.hidden = outputs.hidden_states[-1][:, -1]
+            return result
 
-    class LastRow(MLPSpeculatorCandidateGenerator):
-        def get_candidates(self, input_ids, n_last_matches=0, **kwargs):
-            return super().get_candidates(input_ids, n_last_matches=self.num_drafted, **kwargs)
+        monkeypatch.setattr(SpeculativeBatch, "accept_chain", last_row)
+    else:
 
-    import hf_mlp_speculator.generation as generation
+        class LastRow(MLPSpeculatorCandidateGenerator):
+            def get_candidates(self, input_ids, n_last_matches=0, **kwargs):
+                return super().get_candidates(input_ids, n_last_matches=self.num_drafted, **kwargs)
 
-    original = generation.MLPSpeculatorCandidateGenerator
-    generation.MLPSpeculatorCandidateGenerator = LastRow
-    try:
-        verifier.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=speculator)
-    finally:
-        generation.MLPSpeculatorCandidateGenerator = original
+        monkeypatch.setattr(generation, "MLPSpeculatorCandidateGenerator", LastRow)
+    greedy(verifier, prompt, loop, assistant_model=speculator)
     steps = expected_steps(prompt.shape[1], 40, 3, pattern)
     assert speculator.speculation_metrics.num_accepted_tokens != sum(a for _, _, a in steps)

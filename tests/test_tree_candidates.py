@@ -55,10 +55,10 @@ def test_tree_merges_shared_prefixes():
     candidates = torch.tensor([[[5, 6, 7], [5, 6, 8], [9, 6, 7]]])
     tree = tree_from_candidates(candidates, torch.tensor([1]), torch.tensor([3]))
     assert tree.tokens.tolist() == [[1, 5, 6, 7, 8, 9, 6, 7]]
-    assert tree.parents.tolist() == [[0, 0, 1, 2, 2, 0, 5, 6]]
-    assert tree.depths.tolist() == [[0, 1, 2, 3, 3, 1, 2, 3]]
-    assert tree.paths()[0, 4].tolist() == [5, 6, 8]
-    ancestors = tree.ancestors()[0]
+    assert tree.tree.parents.tolist() == [[0, 0, 1, 2, 2, 0, 5, 6]]
+    assert tree.tree.depths.tolist() == [[0, 1, 2, 3, 3, 1, 2, 3]]
+    assert tree.tree.paths(tree.tokens, tree.max_depth)[0, 4].tolist() == [5, 6, 8]
+    ancestors = tree.tree.ancestors()[0]
     assert ancestors[4].nonzero().squeeze(1).tolist() == [0, 1, 2, 4]
     # A row with budget for one draft keeps only the distinct first tokens.
     short = tree_from_candidates(candidates, torch.tensor([1]), torch.tensor([1]))
@@ -86,5 +86,5 @@ def test_draft_tree_keeps_the_most_likely_paths():
 
         walk(heads.input_state(hidden), token, 0, [], 0.0)
     best = [tokens for _, tokens in sorted(paths, key=lambda p: -p[0])[:n]]
-    leaves = tree.depths[0] == 3
-    assert sorted(tree.paths()[0, leaves].tolist()) == sorted(best)
+    leaves = tree.tree.depths[0] == 3
+    assert sorted(tree.tree.paths(tree.tokens, 3)[0, leaves].tolist()) == sorted(best)
