@@ -77,6 +77,11 @@ class AcceptanceEstimate:
         return np.clip((np.asarray(confidence, dtype=np.float64) * CONFIDENCE_BINS).astype(np.int64), 0,
                        CONFIDENCE_BINS - 1)  # fmt: skip
 
+    @staticmethod
+    def bin(confidence: float) -> int:
+        """`bins` of one confidence, in plain Python: recording a step asks for a few, every step."""
+        return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1) if confidence == confidence else 0
+
     def given(self, head: int, confidence) -> np.ndarray:
         """Per row: probability that draft `head`, made with `confidence`, is accepted after its predecessors were."""
         b = self.bins(confidence)
@@ -98,7 +103,7 @@ class AcceptanceEstimate:
         """Row `r` drafted `num_drafted[r]` tokens with `confidences[r]`, and the first `num_accepted[r]` were kept."""
         for row, (drafted, accepted) in enumerate(zip(num_drafted, num_accepted)):
             for head in range(min(int(drafted), int(accepted) + 1)):  # a head counts only where its predecessors held
-                b = int(self.bins(confidences[row][head]))
+                b = self.bin(confidences[row][head])
                 self.accepted[head] *= DECAY
                 self.drafted[head] *= DECAY
                 self.drafted[head, b] += 1
@@ -138,7 +143,8 @@ class SpeculationController:
     def __init__(self, cost_models, acceptance: AcceptanceEstimate, cap: int, new_tokens=lambda d: d + 1,
                  schedule: str | None = None):  # fmt: skip
         # `cost_models(rows)`: the cost model for a batch of `rows` (rows leave a batch as they finish).
-        self.cost_models, self.acceptance, self.cap, self.new_tokens = cost_models, acceptance, cap, new_tokens
+        self.cost_models, self.acceptance, self.cap, self.new_tokens = {}, acceptance, cap, new_tokens
+        self.cost_model_for = cost_models
         # transformers' `num_assistant_tokens_schedule`: "constant" drafts `cap` heads every step, as vLLM's
         # `num_speculative_tokens` does; any other (None, "heuristic", "heuristic_transient") is cost-aware.
         self.constant = schedule == "constant"
@@ -168,7 +174,9 @@ class SpeculationController:
         if self.step_start is not None:
             self.total_seconds += now - self.step_start
         self.step_start = now
-        self.step = Step(cache_length, self.cost_models(rows))
+        if rows not in self.cost_models:
+            self.cost_models[rows] = self.cost_model_for(rows)
+        self.step = Step(cache_length, self.cost_models[rows])
         self.step.forced = self.cap if self.constant else self._forced_depth()
         if self.step.forced is not None:
             return self.step.forced
@@ -214,7 +222,7 @@ class SpeculationController:
         step.cost_model.record_verify(step.cache_length, new_tokens or self.new_tokens(depth), verify_seconds)
         self.depth_counts[depth] += 1
         self.verify_seconds[depth] += verify_seconds
-        if step.forced is not None and (costs := self.step_costs(0, step)) is not None:
+        if step.forced is not None and not self.constant and (costs := self.step_costs(0, step)) is not None:
             self.exploring_seconds += costs[depth]  # the whole step counts: even a cheap depth may emit less
 
     def report_to(self, metrics) -> None:

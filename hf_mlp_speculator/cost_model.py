@@ -43,10 +43,12 @@ class CostModel:
         self.draft = defaultdict(lambda: deque(maxlen=WINDOW))  # head -> seconds
         self.last_tried = {}  # (cache bucket, m) -> how many verify timings had been recorded when it was last tried
         self.num_timings = 0
+        self.medians = {}  # what `timed_new_tokens` and `draft_cost` computed since the last timing: asked every step
 
     def record_verify(self, cache_length: int, new_tokens: int, seconds: float) -> None:
         key = (cache_bucket(cache_length), int(new_tokens))
         self.verify[key].append(seconds)
+        self.medians.clear()
         self.num_timings += 1
         self.last_tried[key] = self.num_timings
 
@@ -56,13 +58,16 @@ class CostModel:
 
     def record_draft(self, head: int, seconds: float) -> None:
         self.draft[head].append(seconds)
+        self.medians.clear()
 
     def timed_new_tokens(self, cache_length: int) -> dict[int, float]:
         """{m: median seconds} for the cache bucket of `cache_length`, else for the nearest bucket with timings."""
-        buckets = sorted({bucket for bucket, _ in self.verify}, key=lambda b: abs(b - cache_bucket(cache_length)))
-        if not buckets:
-            return {}
-        return {m: statistics.median(times) for (bucket, m), times in self.verify.items() if bucket == buckets[0]}
+        key = ("verify", cache_bucket(cache_length))
+        if key not in self.medians:
+            buckets = sorted({bucket for bucket, _ in self.verify}, key=lambda b: abs(b - key[1]))
+            self.medians[key] = {m: statistics.median(times) for (bucket, m), times in self.verify.items()
+                                 if bucket == buckets[0]} if buckets else {}  # fmt: skip
+        return self.medians[key]
 
     def verify_cost(self, cache_length: int, new_tokens: int) -> float | None:
         timed = self.timed_new_tokens(cache_length)
@@ -87,8 +92,10 @@ class CostModel:
         """A head never timed costs what the nearest timed one does (heads have the same shape); 0 before any."""
         if not self.draft:
             return 0.0
-        nearest = min(self.draft, key=lambda h: abs(h - head))
-        return statistics.median(self.draft[nearest])
+        key = ("draft", head)
+        if key not in self.medians:
+            self.medians[key] = statistics.median(self.draft[min(self.draft, key=lambda h: abs(h - head))])
+        return self.medians[key]
 
     def staleness(self, cache_length: int, new_tokens: int) -> float:
         """How many verify timings ago a step last tried this `m` in this cache bucket (`inf` if never)."""

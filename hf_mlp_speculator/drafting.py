@@ -120,19 +120,18 @@ def draft_chain(heads: MLPSpeculator, hidden, last_tokens, limits, depth: int, p
             scores = scores.float() if process is None else process(scores.float(), drafts)
         token = scores.argmax(dim=-1) if select is None else select(scores, head)
         drafts.append(token)
-        # Non-finite logits give a non-finite softmax, hence a non-finite confidence: the check below sees them.
+        # NaN or infinite logits make the whole softmax NaN, hence a NaN confidence: the check below sees them.
         confidences.append(scores.softmax(dim=-1, dtype=torch.float32).gather(1, token[:, None]))
     confidences = torch.cat(confidences, dim=1)
     heads_run = torch.arange(depth, device=device)
-    broken = ~torch.isfinite(confidences)
+    broken = confidences.isnan()
     # A row keeps the drafts before its first broken one, and up to and including its first unsure one.
     ends = torch.where(broken, heads_run, depth)
     if confidence_threshold > 0:
         ends = torch.minimum(ends, torch.where(confidences < confidence_threshold, heads_run + 1, depth))
     ends = ends.amin(dim=1)
     limits = ends if limits is None else torch.minimum(limits, ends)
-    tokens = torch.cat([last_tokens[:, None], torch.stack(drafts, dim=1)], dim=1)
-    return Drafts(tokens, limits, depth, confidences, broken.any(dim=1))
+    return Drafts(torch.stack([last_tokens, *drafts], dim=1), limits, depth, confidences, broken.any(dim=1))
 
 
 def draft_tree(

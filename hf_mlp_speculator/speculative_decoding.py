@@ -137,7 +137,7 @@ class SpeculativeBatch:
             new_tokens = lambda depth: depth + 1  # noqa: E731
         kind = "tree" if tree else ("chain, sampled" if self.noise else "chain, greedy")
         self.drafter = Drafter(model, speculator, generation_config, rows, kind, new_tokens)
-        self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
         if pad is None:  # plain generate() pads with the first EOS id then
             pad = eos[0] if isinstance(eos, list) else eos
@@ -147,8 +147,13 @@ class SpeculativeBatch:
         simple = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
         self.max_length = generation_config.max_length
         eos_ids = [c.eos_token_id for c in stopping_criteria if type(c) is EosTokenCriteria]
-        self.host_tokens, self.slots, *eos_ids = to_host(input_ids, self.mask.sum(-1), *eos_ids)
+        self.host_tokens, self.slots, *eos_ids = to_host(input_ids, mask.sum(-1), *eos_ids)
         self.eos = {token for ids in eos_ids for token in ([ids] if isinstance(ids, int) else ids)}
+        # The attention mask over the cache slots, held only while some row has a masked slot (padding, or a rejected
+        # draft another row kept): without one the model need not build or check a mask.
+        self.width = prompt_length  # cache slots, on the host
+        self.mask = mask if min(self.slots) < self.width else None
+        self.prompt_mask = mask
         self.sequences = None
         if logits_processor or not simple:
             # int64 whatever the prompt's integer type, as the tokens plain generate() appends are
@@ -175,11 +180,13 @@ class SpeculativeBatch:
 
     def prefill(self, input_ids) -> None:
         """The prompt emits the first token, and the hidden state that emitted it starts the first draft."""
-        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        mask = self.prompt_mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         outputs = self.forward(input_ids, self.mask, positions, logits_to_keep=1)
         tokens = self.select(self.process(outputs.logits[:, -1].float()))[:, None]
         self.hidden, self.last_tokens = outputs.hidden_states[-1][:, -1], tokens[:, 0]
-        self.next_position = self.mask.sum(-1)
+        self.next_position = mask.sum(-1)
+        del self.prompt_mask
         # Each row's room for drafts is `room_end - next_position`, on the device as well as on the host.
         self.room_end = self.next_position + self.max_length - 2 - input_ids.shape[1]  # after the token below
         self.emit(tokens, None, None)
@@ -192,7 +199,8 @@ class SpeculativeBatch:
                 return False
             index = torch.tensor(keep, device=self.device)
             self.cache.batch_select_indices(index)
-            self.rows, self.mask, self.hidden = self.rows[index], self.mask[index], self.hidden[index]
+            self.rows, self.hidden = self.rows[index], self.hidden[index]
+            self.mask = None if self.mask is None else self.mask[index]
             self.last_tokens, self.next_position = self.last_tokens[index], self.next_position[index]
             self.room_end = self.room_end[index]
             self.host_rows, self.finished = [self.host_rows[i] for i in keep], [False] * len(keep)
@@ -213,12 +221,14 @@ class SpeculativeBatch:
         deepest = self.emit(new_tokens, accepted, drafts, step, best)
         # Keep the slots of the root and the accepted path; crop the slots that no row kept (the deepest kept slot of
         # a row is its last kept node: ancestors come first).
-        self.mask = torch.cat([self.mask, kept.long()], dim=1)
-        self.peak_slots = max(self.peak_slots, self.mask.shape[1])
-        unused = drafts.num_nodes - 1 - deepest
-        if unused:
-            self.cache.crop(-unused)
-            self.mask = self.mask[:, :-unused]
+        self.peak_slots = max(self.peak_slots, self.width + drafts.num_nodes)
+        width, self.width = self.width, self.width + deepest + 1
+        if self.mask is None and min(self.slots) < self.width:  # this step left a row a masked slot
+            self.mask = torch.ones((len(self.host_rows), width), dtype=torch.long, device=self.device)
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, kept[:, : deepest + 1].long()], dim=1)
+        if drafts.num_nodes - 1 > deepest:
+            self.cache.crop(deepest + 1 - drafts.num_nodes)
         self.compact()
 
     def draft(self) -> tuple[Drafts, DraftStep]:
@@ -237,10 +247,11 @@ class SpeculativeBatch:
         """Every row's drafts in one forward: each sees its row's kept cache slots and its own ancestors."""
         if drafts.tree is not None:
             self.ancestors = drafts.tree.ancestors()
-            attention = _tree_attention_mask(self.mask, self.ancestors, self.model.dtype)
+            mask = self.mask if self.mask is not None else self.ancestors.new_ones((len(self.host_rows), self.width))
+            attention = _tree_attention_mask(mask, self.ancestors, self.model.dtype)
             depths = drafts.tree.depths
-        else:  # a chain is causal: the plain 2D mask, which every model takes
-            attention = torch.cat([self.mask, self.mask.new_ones(drafts.tokens.shape)], dim=1)
+        else:  # a chain is causal: the plain 2D mask, which every model takes, or none
+            attention = None if self.mask is None else torch.cat([self.mask, torch.ones_like(drafts.tokens)], dim=1)
             depths = torch.arange(drafts.num_nodes, device=self.device)
         mark = self.drafter.start_verify()
         outputs = self.forward(drafts.tokens, attention, self.next_position[:, None] + depths, drafts.num_nodes)
@@ -347,13 +358,16 @@ class SpeculativeBatch:
         sees exactly its own tokens; later steps read fewer slots. A sliding window keeps too few slots to move, and
         offloaded or indexed caches are left as they are.
         """
-        width, most = self.mask.shape[1], max(self.slots)
-        if width - most <= COMPACT_SHARE * width or not can_gather_slots(self.cache):
+        width, most = self.width, max(self.slots)
+        if self.mask is None or width - most <= COMPACT_SHARE * width or not can_gather_slots(self.cache):
             return
         # A stable sort puts each row's masked slots first and its kept ones last, both in order.
         order = torch.sort(self.mask, dim=1, stable=True).indices[:, width - most :]
         self.mask = self.mask.gather(1, order)
         gather_slots(self.cache, order)
+        self.width = most
+        if min(self.slots) == most:  # every row's slots are all kept: no mask needed
+            self.mask = None
 
     def targets(self, drafts: Drafts, scores, paths=None) -> torch.LongTensor:
         """

@@ -1,0 +1,250 @@
+"""Where a speculative step's host time goes, on a model whose forward is dispatch-bound, as a big model's is on a GPU.
+
+    python benchmarks/loop_overhead.py                 # batch 1 and 8, our loop and transformers' loop, ~3 minutes
+    python benchmarks/loop_overhead.py --batch-sizes 1 --repeats 3
+
+On a GPU, HF eager decoding of an 8B model is bound by the host launching kernels, not by the GPU running them: every
+tensor operation the decoding loop adds around the verifier's forward costs about what it costs on a CPU. A Llama 64
+wide with 32 layers, on one CPU thread, is such a model: its forward is ~2,300 small operations. So this measures the
+loop's own cost on the CPU, per step:
+
+- time: a plain `generate()` step, a step of the speculative loop at each forced depth k = 0..4, and the verifier's
+  bare forward over k + 1 tokens and the speculator's k heads on a cache of the same length; from these, a k = 0 step
+  in plain steps and what a depth-k step costs beyond its forward and heads (both want to be ~1 and ~0);
+- the operations dispatched outside the verifier's forward (aten ops: on a GPU each is a launch or a view), and the
+  reads of device values on the host (each waits for the GPU), per step, all of them, transformers' own included;
+- each phase's milliseconds per step in the package's loop (draft, verify, accept and emit, the cache, the rest).
+
+Depths are forced (`num_assistant_tokens_schedule="constant"` for k >= 1; k = 0 by fixing the controller's choice)
+and the speculator is random: it accepts nothing, so every step crops its rejected drafts, the worst case. Times are
+medians over `--repeats` runs in this process; the ratios are what to read, not the milliseconds.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_host_syncs import HostSyncs  # noqa: E402
+from test_loop_overhead import OperationCount  # noqa: E402
+
+from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, generation  # noqa: E402
+from hf_mlp_speculator.controller import SpeculationController  # noqa: E402
+from hf_mlp_speculator.kv_cache import cache_kwargs, output_cache  # noqa: E402
+from hf_mlp_speculator.speculative_decoding import SpeculativeBatch  # noqa: E402
+
+VOCAB, PROMPT, NEW_TOKENS, HEADS = 512, 32, 48, 4
+PHASES = {"draft": "draft", "verify": "verify", "accept": ("accept_chain", "accept_tree", "emit"),
+          "cache": "compact", "next_step": "next_step"}  # fmt: skip
+
+
+def proxy_pair(layers: int = 32):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096, pad_token_id=0,
+                         eos_token_id=None, bos_token_id=0)  # fmt: skip
+    verifier = LlamaForCausalLM(config).eval()
+    speculator = MLPSpeculatorPreTrainedModel(
+        MLPSpeculatorConfig(vocab_size=VOCAB, emb_dim=64, inner_dim=64, n_predict=HEADS, top_k_tokens_per_head=[1] * 4)
+    ).eval()
+    return verifier, speculator
+
+
+def generate_call(verifier, speculator, prompts, depth: int | None, loop: str, new_tokens: int):
+    """One greedy call: plain (`depth` None), or speculative at a forced depth in `loop`."""
+    kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, do_sample=False)
+    if depth is not None:
+        kwargs.update(assistant_model=speculator, num_assistant_tokens=max(depth, 1),
+                      num_assistant_tokens_schedule="constant" if depth else "heuristic")  # fmt: skip
+        if loop == "transformers":  # per-token scores are what sends a call to transformers' loop
+            kwargs.update(return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        return verifier.generate(prompts, **kwargs)
+
+
+def forwards_of(speculator, depth):
+    if depth is None:
+        return None
+    return sum(speculator.speculation_metrics.steps_by_depth)
+
+
+class ForwardClock:
+    """The (start, end) times of `model`'s forwards while entered."""
+
+    def __init__(self, model):
+        self.model, self.forwards = model, []
+
+    def __enter__(self):
+        def start(*args):
+            self.forwards.append([time.perf_counter(), None])
+
+        def stop(*args):
+            self.forwards[-1][1] = time.perf_counter()
+
+        self.hooks = [self.model.register_forward_pre_hook(start), self.model.register_forward_hook(stop)]
+        return self
+
+    def __exit__(self, *args):
+        for hook in self.hooks:
+            hook.remove()
+
+
+def per_step(verifier, speculator, prompts, depth, loop):
+    """
+    (seconds per decode step, of which outside the verifier's forward) of one call, from the end of its prefill
+    forward to its return: both per verifier forward of the decode steps, measured in the same run, so that a slow
+    spell of the machine scales both.
+    """
+    with ForwardClock(verifier) as clock:
+        generate_call(verifier, speculator, prompts, depth, loop, 1 + NEW_TOKENS)
+        end = time.perf_counter()
+    decode, steps = end - clock.forwards[0][1], clock.forwards[1:]
+    inside = sum(stop - start for start, stop in steps)
+    return decode / len(steps), (decode - inside) / len(steps)
+
+
+def counts_per_step(verifier, speculator, prompts, depth, loop):
+    """(operations outside the verifier's forward, host reads) per verifier forward of the decode steps."""
+    results = []
+    for new_tokens in (4, 4 + NEW_TOKENS):
+        with OperationCount(verifier) as operations, HostSyncs() as reads:
+            generate_call(verifier, speculator, prompts, depth, loop, new_tokens)
+        forwards = forwards_of(speculator, depth) or new_tokens - 1
+        results.append((operations.outside, sum(reads.ours.values()) + reads.others, forwards))
+    (ops_a, reads_a, fa), (ops_b, reads_b, fb) = results
+    return (ops_b - ops_a) / (fb - fa), (reads_b - reads_a) / (fb - fa)
+
+
+@torch.no_grad()
+def bare_costs(verifier, speculator, rows: int, repeats: int = 10) -> dict:
+    """Median seconds of the verifier's forward over m = 1..5 new tokens per row, and of one head, on a cache."""
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randint(1, VOCAB, (rows, PROMPT + NEW_TOKENS // 2), generator=generator)
+    prefill = verifier(context, use_cache=True, output_hidden_states=-1)
+    cache = output_cache(prefill)
+    out = {}
+    for m in range(1, HEADS + 2):
+        tokens = torch.randint(1, VOCAB, (rows, m), generator=generator)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            verifier(tokens, use_cache=True, output_hidden_states=-1, **cache_kwargs(verifier, cache))
+            times.append(time.perf_counter() - start)
+            cache.crop(-m)
+        out[m] = statistics.median(times)
+    heads, token = speculator.speculator, torch.randint(1, VOCAB, (rows,), generator=generator)
+    state = heads.input_state(prefill.hidden_states[-1][:, -1])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _, logits = heads.step(0, state, token)
+        logits.softmax(dim=-1).gather(1, logits.argmax(dim=-1)[:, None])  # what drafting does with a head's logits
+        times.append(time.perf_counter() - start)
+    out["head"] = statistics.median(times)
+    return out
+
+
+def phase_times(verifier, speculator, prompts, depth, repeats) -> dict:
+    """Milliseconds per step of each phase of the package's loop (`SpeculativeBatch`'s methods), medians over runs."""
+    spent = {name: [] for name in PHASES}
+    originals = {}
+    for name, methods in PHASES.items():
+        for method in [methods] if isinstance(methods, str) else methods:
+            originals[method] = getattr(SpeculativeBatch, method)
+
+    def timed(phase, method):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[phase] += time.perf_counter() - start
+
+        return wrapper
+
+    try:
+        for name, methods in PHASES.items():
+            for method in [methods] if isinstance(methods, str) else methods:
+                setattr(SpeculativeBatch, method, timed(name, originals[method]))
+        for _ in range(repeats):
+            totals = dict.fromkeys(PHASES, 0.0)
+            start = time.perf_counter()
+            generate_call(verifier, speculator, prompts, depth, "ours", 4 + NEW_TOKENS)
+            total = time.perf_counter() - start
+            forwards = forwards_of(speculator, depth)
+            for name in PHASES:
+                spent[name].append(totals[name] / forwards * 1000)
+            spent.setdefault("whole call", []).append(total / forwards * 1000)
+    finally:
+        for method, original in originals.items():
+            setattr(SpeculativeBatch, method, original)
+    # `step` wraps draft, verify, accept and compact: what is left of a call is prefill and the loop's glue.
+    return {name: statistics.median(values) for name, values in spent.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--loops", default="ours,transformers", help="which loops to measure at batch 1")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    generation.packing_pays = lambda *args: False  # the weights as they are: packing is measured elsewhere
+    verifier, speculator = proxy_pair(args.layers)
+    verifier.generation_config.assistant_confidence_threshold = 0.0
+    fixed = SpeculationController._forced_depth
+    SpeculationController._forced_depth = lambda self: 0  # k = 0 steps when the schedule is cost-aware
+    try:
+        for rows in [int(b) for b in args.batch_sizes.split(",")]:
+            prompts = torch.randint(1, VOCAB, (rows, PROMPT), generator=torch.Generator().manual_seed(rows))
+            loops = [loop for loop in args.loops.split(",") if rows == 1 or loop == "ours"]
+            configs = [(loop, depth) for loop in loops for depth in range(HEADS + 1)]
+            # Every configuration once per round, rounds repeated: a slow spell of the machine hits all of them.
+            rounds = []
+            for _ in range(args.repeats):
+                bare = bare_costs(verifier, speculator, rows)
+                plain = per_step(verifier, speculator, prompts, None, "ours")
+                steps = {config: per_step(verifier, speculator, prompts, config[1], config[0]) for config in configs}
+                rounds.append((plain, bare, steps))
+
+            def median(value):
+                return statistics.median(value(*r) for r in rounds)
+
+            plain_ops, plain_reads = counts_per_step(verifier, speculator, prompts, None, "ours")
+            print(f"\n## batch {rows}: plain generate() step {median(lambda p, b, s: p[0]) * 1000:.2f} ms, of which "
+                  f"{median(lambda p, b, s: p[1]) * 1000:.2f} ms outside the forward: {plain_ops:.0f} operations, "
+                  f"{plain_reads:.1f} host reads; bare forward over 1 / 5 tokens "
+                  f"{median(lambda p, b, s: b[1] / p[0]):.2f} / {median(lambda p, b, s: b[5] / p[0]):.2f} plain steps, "
+                  f"one head {median(lambda p, b, s: b['head'] / p[0]):.3f} (medians of {args.repeats} rounds)\n")
+            print("| loop | k | step, plain steps | beyond plain step's host time, plain steps | beyond its forward and "
+                  "heads, plain steps | loop efficiency | operations / step | host reads / step |\n"
+                  "|---|---:|---:|---:|---:|---:|---:|---:|")
+            for loop, depth in configs:
+                step = median(lambda p, b, s: s[loop, depth][0] / p[0])
+                # Host time outside the verifier's forward against plain generate()'s: the loop's own cost.
+                host = median(lambda p, b, s: (s[loop, depth][1] - p[1]) / p[0])
+                # Everything outside the forward but the heads (the bare heads' cost, from the cost profile).
+                beyond = median(lambda p, b, s: (s[loop, depth][1] - depth * b["head"]) / p[0])
+                # The cost profile's forward and heads over the step measured: the verifier's bare forward over
+                # k + 1 tokens, timed apart, and k heads.
+                efficiency = median(lambda p, b, s: (b[depth + 1] + depth * b["head"]) / s[loop, depth][0])
+                ops, reads = counts_per_step(verifier, speculator, prompts, depth, loop)
+                print(f"| {loop} | {depth} | {step:.3f} | {host:+.3f} | {beyond:.3f} | {efficiency:.2f} | {ops:.0f} | "
+                      f"{reads:.1f} |", flush=True)
+            print("\nms per step in the package's loop, by phase (draft includes the heads, verify the forward):\n")
+            print("| k | " + " | ".join(PHASES) + " | whole call |\n|---:|" + "---:|" * (len(PHASES) + 1))
+            for depth in (0, HEADS):
+                times = phase_times(verifier, speculator, prompts, depth, args.repeats)
+                print(f"| {depth} | " + " | ".join(f"{times[name]:.2f}" for name in [*PHASES, "whole call"]) + " |")
+    finally:
+        SpeculationController._forced_depth = fixed
+
+
+if __name__ == "__main__":
+    main()
