@@ -25,11 +25,12 @@ from types import MethodType
 
 import transformers
 from packaging import version
-from transformers import GenerationMixin, StopStringCriteria
+from transformers import DynamicCache, GenerationMixin, StopStringCriteria
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
 
 from .candidate_generator import MLPSpeculatorCandidateGenerator
+from .kv_cache import cache_kind
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 from .packed_linear import packed_weights, packing_pays
 from .speculative_decoding import generate_speculatively
@@ -213,7 +214,7 @@ def assistant_setting(name: str, speculator, generation_config, kwargs):
 
 # What a `generate()` call may pass besides model inputs: its own parameters and a few of the package's.
 _CALL_ARGUMENTS = {"inputs", "input_ids", "attention_mask", "position_ids", "use_cache", "tokenizer",
-                   "assistant_tokenizer", "kwargs"}  # fmt: skip
+                   "assistant_tokenizer", "kwargs", "past_key_values", "cache"}  # fmt: skip
 
 
 def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: dict, sampling: str) -> bool:
@@ -222,7 +223,7 @@ def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: d
     (`speculative_decoding`), which reads the device once per step on every transformers release (transformers'
     loop reads it once per cache layer per step before 5.18). transformers' loop takes one sequence and a chain, and
     is what gives `speculative_sampling="rejection"`, per-token scores, logits, attentions or hidden states, a prompt
-    given as `inputs_embeds`, a cache passed in or other than a dynamic one, and model inputs besides the tokens.
+    given as `inputs_embeds`, a cache other than a dynamic or plain static one, and model inputs besides the tokens.
     """
     if tree or rows > 1:
         return False
@@ -233,7 +234,8 @@ def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: d
     return (
         any(getattr(generation_config, name) for name in _OUTPUTS)
         or kwargs.get("inputs_embeds") is not None
-        or generation_config.cache_implementation not in (None, "dynamic")
+        or generation_config.cache_implementation not in (None, "dynamic", "static")
+        or cache_kind(kwargs.get("past_key_values", kwargs.get("cache")) or DynamicCache()) is None
         or bool(model_inputs)
     )
 

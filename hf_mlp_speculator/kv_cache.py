@@ -1,5 +1,6 @@
-"""The KV cache under both of its names: transformers 5.24 and later pass it as `cache`, earlier releases as
-`past_key_values` (in model forwards, in their outputs and in the `model_kwargs` that `generate()` prepares)."""
+"""The KV cache under both of its names (transformers 5.24 and later pass it as `cache`, earlier releases as
+`past_key_values`: in model forwards, in their outputs and in the `model_kwargs` that `generate()` prepares), and what
+the decoding loop does to its slots."""
 
 import inspect
 
@@ -41,3 +42,34 @@ def gather_slots(cache, order) -> None:
             tensor = getattr(layer, name)
             index = order.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
             setattr(layer, name, tensor.gather(2, index))
+
+
+def cache_kind(cache) -> str | None:
+    """
+    "dynamic" for a `DynamicCache` (slots appended, cropped, gathered), "static" for a cache whose every layer is a
+    plain static one (slots written at a running length on the device, rewound by lowering it; `torch.compile`'s
+    kind), None for any other (offloaded, quantized, sliding static, ...), which the decoding loop cannot rewind.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import StaticLayer
+
+    if type(cache) is DynamicCache:
+        return "dynamic"
+    layers = getattr(cache, "layers", None)
+    if layers and all(type(layer) is StaticLayer for layer in layers) and not getattr(cache, "offloading", False):
+        return "static"
+    return None
+
+
+def drop_last_slots(cache, count: int) -> None:
+    """
+    Forgets the last `count` slots of every layer, without reading the device: a dynamic cache crops them, a static
+    one lowers each layer's running length (a device tensor) so that the next forward writes over them. transformers
+    5.25's `StaticCache.crop` does the same; earlier releases have none.
+    """
+    if cache_kind(cache) == "dynamic":
+        cache.crop(-count)
+        return
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            layer.cumulative_length.sub_(count)

@@ -50,7 +50,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .drafter import Drafter, DraftStep
 from .drafting import Drafts
 from .host_transfer import to_host
-from .kv_cache import cache_kwargs, can_gather_slots, gather_slots, pop_prepared_cache
+from .kv_cache import cache_kind, cache_kwargs, can_gather_slots, drop_last_slots, gather_slots, pop_prepared_cache
 from .position_noise import PositionNoise
 
 # Processors that read nothing but the scores run once on all rows; any other runs once per distinct row length.
@@ -103,10 +103,10 @@ def generate_speculatively(
         )
     attention_mask = model_kwargs.get("attention_mask")
     num_nodes = max(num_heads * (tree[1] if tree else 1), generation_config.prompt_lookup_num_tokens or 0)
-    cache = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes)
+    cache, cached = _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes, tree)
     batch = SpeculativeBatch(model, speculator, input_ids, attention_mask, cache, generation_config, logits_processor,
                              stopping_criteria, streamer, tree)  # fmt: skip
-    batch.prefill(input_ids)
+    batch.prefill(input_ids, cached)
     while batch.next_step():
         batch.step()
     return batch.finish()
@@ -178,11 +178,14 @@ class SpeculativeBatch:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           **self.forward_kwargs, **kwargs)  # fmt: skip
 
-    def prefill(self, input_ids) -> None:
-        """The prompt emits the first token, and the hidden state that emitted it starts the first draft."""
+    def prefill(self, input_ids, cached: int = 0) -> None:
+        """
+        The prompt, but for the `cached` tokens the cache already holds, emits the first token, and the hidden state
+        that emitted it starts the first draft.
+        """
         mask = self.prompt_mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        outputs = self.forward(input_ids, self.mask, positions, logits_to_keep=1)
+        outputs = self.forward(input_ids[:, cached:], self.mask, positions[:, cached:], logits_to_keep=1)
         tokens = self.select(self.process(outputs.logits[:, -1].float()))[:, None]
         self.hidden, self.last_tokens = outputs.hidden_states[-1][:, -1], tokens[:, 0]
         self.next_position = mask.sum(-1)
@@ -228,13 +231,13 @@ class SpeculativeBatch:
         if self.mask is not None:
             self.mask = torch.cat([self.mask, kept[:, : deepest + 1].long()], dim=1)
         if drafts.num_nodes - 1 > deepest:
-            self.cache.crop(deepest + 1 - drafts.num_nodes)
+            drop_last_slots(self.cache, drafts.num_nodes - 1 - deepest)
         self.compact()
 
     def draft(self) -> tuple[Drafts, DraftStep]:
         """This step's drafts for every row, as deep as the controller and each row's room allow."""
         room = [max(0, self.max_length - length - 1) for length in self.host_lengths()]
-        step = self.drafter.start_step(self.cache.get_seq_length(), self.host_tokens, self.host_rows, room)
+        step = self.drafter.start_step(self.width, self.host_tokens, self.host_rows, room)
         most = min(self.drafter.num_heads, max(room))  # a row's verifier forward adds one token of its own
         limits = None  # every row may draft `most`; rows near the maximum length may not
         if min(room) < most:
@@ -506,29 +509,55 @@ def _check_tree(top_k: list[int], n_candidates: int, num_heads: int) -> None:
         )
 
 
-def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes):
-    """The dynamic cache `generate()` prepared, after checking that the masked-slot design can use it."""
+def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes, tree) -> tuple:
+    """
+    The cache `generate()` prepared (the user's, or one of `cache_implementation`), after checking that the loop can
+    rewind it, and how many of the prompt's tokens it already holds (a prefix cache: a system prompt, a chat's earlier
+    turns).
+    """
     cache = pop_prepared_cache(model_kwargs)
-    for name in ("attention_mask", "position_ids", "use_cache", "logits_to_keep"):
+    for name in ("attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position"):
         model_kwargs.pop(name, None)
     if model_kwargs:
         raise ValueError(
-            f"Batched or tree speculative decoding cannot pass {sorted(model_kwargs)} to the model. Drop them, or "
-            "generate one prompt at a time without n_candidates."
+            f"Batched, tree or sampled speculative decoding cannot pass {sorted(model_kwargs)} to the model. Drop "
+            "them, or generate one prompt at a time, greedily and without n_candidates."
         )
     if cache is None:
         cache = DynamicCache(config=model.config)
-    if type(cache) is not DynamicCache:
+    rows, prompt_length = input_ids.shape
+    kind = cache_kind(cache)
+    if kind is None:
         raise ValueError(
-            f"Batched or tree speculative decoding needs a DynamicCache (it masks rejected drafts' cache slots), got "
-            f"{type(cache).__name__}. Drop cache_implementation / the cache argument."
+            f"Speculative decoding rewinds the cache past rejected drafts, which it can do to a DynamicCache or a "
+            f"plain StaticCache, not to a {type(cache).__name__}. Drop cache_implementation / the cache argument."
+        )
+    if kind == "static" and (rows > 1 or tree):
+        raise ValueError(
+            f"A static cache serves one sequence drafting chains, and this call has "
+            f"{f'{rows} sequences' if rows > 1 else 'tree candidates'}: the rows' rejected drafts would take slots it "
+            "cannot free. Drop cache_implementation / the cache argument (a DynamicCache serves batches and trees), or "
+            "generate one prompt at a time without n_candidates."
+        )
+    cached = int(cache.get_seq_length())  # read once: a static cache counts on the device
+    if cached >= prompt_length:
+        raise ValueError(
+            f"The cache passed to generate() already holds {cached} tokens, and the prompt has {prompt_length}: a cache "
+            "must hold a prefix of the prompt and leave at least its last token to compute. Pass a copy of the cache "
+            "made before the prompt's last token (copy.deepcopy(prompt_cache)), or no cache."
         )
     window = getattr(model.config.get_text_config(), "sliding_window", None)
-    worst_case = input_ids.shape[1] + (generation_config.max_length - input_ids.shape[1]) * (num_nodes + 1)
-    if any(cache.is_sliding) and window and worst_case > window:
+    worst_case = prompt_length + (generation_config.max_length - prompt_length) * (num_nodes + 1)
+    if kind == "dynamic" and any(cache.is_sliding) and window and worst_case > window and not cached and rows == 1 \
+            and not tree:  # fmt: skip
+        # A sliding layer drops the slots that leave its window, and a rejected draft would push real tokens out.
+        # One chain leaves no masked slot, so a cache that keeps every slot, under the model's own sliding mask, sees
+        # exactly the window.
+        return DynamicCache(), cached
+    if kind == "dynamic" and any(cache.is_sliding) and window and worst_case > window:
         raise ValueError(
             f"This model attends over a sliding window of {window} cache slots, and rejected drafts occupy slots: "
             f"this call could fill up to {worst_case} slots and silently see fewer real tokens than the model should. "
-            "Lower max_new_tokens, or generate one prompt at a time without n_candidates."
+            "Lower max_new_tokens, or generate one prompt at a time, greedily and without n_candidates."
         )
-    return cache
+    return cache, cached

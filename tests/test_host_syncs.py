@@ -14,6 +14,7 @@ from conftest import make_prompt, make_speculator, make_verifier
 from torch.overrides import TorchFunctionMode
 
 from hf_mlp_speculator import MLPSpeculatorCandidateGenerator
+from hf_mlp_speculator.controller import SpeculationController
 
 READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 BUILDS = {"tensor", "as_tensor"}
@@ -96,6 +97,22 @@ def test_syncs_per_step_within_budget(case):
     if rows == 1 and "do_sample" not in kwargs and transformers_hands_a_tensor():  # transformers' loop
         per_step += 1
     assert ours <= per_step * forwards + PER_CALL + rows, where
+
+
+@pytest.mark.parametrize("case", ["batch 1, chain", "batch 3, chain", "batch 1, sampled", "batch 3, tree"])
+@pytest.mark.parametrize("depth", [0, 3])
+def test_a_step_reads_the_device_at_most_four_times_transformers_own_reads_included(case, depth, monkeypatch):
+    """
+    Every read of a device value per verifier forward, whoever makes it (the model's forward, transformers'
+    generation code, this package), on whatever transformers is installed: before 5.18 transformers' own assisted
+    decoding read the device once per cache layer per step (71 times a step on a 32-layer model), which is why calls
+    run in this package's loop by default.
+    """
+    if depth == 0:
+        monkeypatch.setattr(SpeculationController, "_forced_depth", lambda self: 0)
+    rows, kwargs, _ = CASES[case]
+    ours, forwards, where, others = count_syncs(rows, **kwargs)
+    assert ours + others <= 4 * forwards + PER_CALL + rows, (where, others)
 
 
 @pytest.mark.cost_aware
