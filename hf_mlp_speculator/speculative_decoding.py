@@ -166,6 +166,7 @@ class SpeculativeBatch:
         takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.forward_kwargs = dict(use_cache=True, output_hidden_states=-1, **cache_kwargs(model, cache))
         self.keep_logits = takes_logits_to_keep
+        self.step_call = _compiled_call(model, cache, generation_config)
         self.streamed = prompt_length  # columns handed to the streamer
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -173,10 +174,11 @@ class SpeculativeBatch:
     def host_lengths(self) -> list[int]:
         return [len(self.host_tokens[row]) for row in self.host_rows]
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep, prefill: bool = False):
         kwargs = {"logits_to_keep": logits_to_keep} if self.keep_logits else {}
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          **self.forward_kwargs, **kwargs)  # fmt: skip
+        call = self.model if prefill else self.step_call
+        return call(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    **self.forward_kwargs, **kwargs)  # fmt: skip
 
     def prefill(self, input_ids, cached: int = 0) -> None:
         """
@@ -185,7 +187,7 @@ class SpeculativeBatch:
         """
         mask = self.prompt_mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        outputs = self.forward(input_ids[:, cached:], self.mask, positions[:, cached:], logits_to_keep=1)
+        outputs = self.forward(input_ids[:, cached:], self.mask, positions[:, cached:], 1, prefill=True)
         tokens = self.select(self.process(outputs.logits[:, -1].float()))[:, None]
         self.hidden, self.last_tokens = outputs.hidden_states[-1][:, -1], tokens[:, 0]
         self.next_position = mask.sum(-1)
@@ -270,7 +272,8 @@ class SpeculativeBatch:
         targets = self.targets(drafts, outputs.logits)
         hidden = outputs.hidden_states[-1]
         if drafts.num_nodes == 1:  # a plain step
-            self.hidden, self.last_tokens = hidden[:, 0], targets[:, 0]
+            # A copy: a compiled forward's outputs may live in buffers that its next run overwrites (CUDA graphs).
+            self.hidden, self.last_tokens = hidden[:, 0].clone(), targets[:, 0]
             self.next_position = self.next_position + 1
             return targets, None, torch.ones_like(targets)
         nodes = torch.arange(drafts.num_nodes, device=self.device)
@@ -507,6 +510,18 @@ def _check_tree(top_k: list[int], n_candidates: int, num_heads: int) -> None:
             f"n_candidates={n_candidates} must be between 1 and the {leaves} paths of the top_k_tokens_per_head="
             f"{top_k[:num_heads]} tree."
         )
+
+
+def _compiled_call(model, cache, generation_config):
+    """
+    The verifier's forward for decoding steps: compiled where plain `generate()` would compile its own (a static cache
+    on a GPU, or `compile_config` asking for it; transformers' `_valid_auto_compile_criteria`), else the model itself.
+    Prefill runs uncompiled, as in plain `generate()`. A step verifies 1 to k + 1 tokens: one graph per count.
+    """
+    criteria = getattr(model, "_valid_auto_compile_criteria", None)
+    if criteria is None or not criteria({"cache": cache, "past_key_values": cache}, generation_config):
+        return model
+    return model.get_compiled_call(generation_config.compile_config)
 
 
 def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes, tree) -> tuple:

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_prompt, make_speculator, make_verifier
-from transformers import GenerationConfig
+from transformers import CompileConfig, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 
@@ -83,6 +83,23 @@ def test_static_cache(kwargs):
     assert torch.equal(output, expected)
     assert speculator.speculation_metrics.num_accepted_tokens > 0
     assert speculator.speculation_metrics.num_draft_tokens > speculator.speculation_metrics.num_accepted_tokens
+
+
+def test_compiled_verifier_with_a_static_cache():
+    """Where plain `generate()` compiles its decoding steps (a static cache and a `compile_config`), speculative
+    decoding compiles its verifier's steps too (one graph per token count) and stays identical. Dynamo with its eager
+    backend here: the graphs are traced as on a GPU, without the minutes of code generation."""
+    verifier, prompt = make_verifier(), make_prompt()
+    speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 0)
+    config = CompileConfig(backend="eager", fullgraph=False, mode=None)
+    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    kwargs = dict(max_new_tokens=20, cache_implementation="static", compile_config=config)
+    expected = greedy(verifier, prompt, **kwargs)
+    compiled = []
+    original = type(verifier).get_compiled_call
+    verifier.get_compiled_call = lambda config: compiled.append(config) or original(verifier, config)
+    assert torch.equal(greedy(verifier, prompt, assistant_model=speculator, **kwargs), expected)
+    assert compiled == [config] and speculator.speculation_metrics.num_accepted_tokens > 0
 
 
 def test_return_dict_scores_and_user_hidden_states():
