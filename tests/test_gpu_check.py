@@ -12,14 +12,22 @@ def test_gpu_check_dry_run(tmp_path):
     spec.loader.exec_module(gpu_check)
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [(row["base"], row["batch"]) for row in results["cost_profile"]] == [("tiny", 1), ("tiny", 8)]
-    for row in results["cost_profile"]:
+    assert [(row["base"], row["batch"]) for row in results["loop"]] == [("tiny", 1), ("tiny", 8)]
+    for row in results["loop"]:
         assert set(row["verify_ms_by_new_tokens"]) == {"1", "2", "3", "4", "5"} and len(row["head_ms"]) == 4
         assert len(row["predicted_speedup"]) == 4 and all(x > 0 for x in row["predicted_speedup"])
+        assert set(row["depths"]) == {"0", "1", "2", "3", "4"}
+        assert all(d["plain_steps"] > 0 and d["efficiency"] > 0 for d in row["depths"].values())
+    assert [row["call"] for row in results["first_call"]] == ["first", "second"]
+    assert all(row["identical"] for row in results["first_call"])
     assert [row["batch"] for row in results["end_to_end"]] == [1, 8]
-    for row in results["end_to_end"]:
+    for row in results["end_to_end"] + results["compiled"]:
         assert row["identical"] and row["tokens_per_step"] >= 1 and row["loop_efficiency"] > 0
-    batched = results["end_to_end"][1]  # rows share one rectangular cache there
-    assert 0 < batched["cache_slots"] <= batched["cache_slots_uncompacted"]
+    # The learnable base is learnt: drafts are accepted on prompts the trainer never saw.
+    assert results["end_to_end"][0]["tokens_per_step"] > 1.5
+    # Model-only checkpoints: nothing the size of an optimizer's state is written.
+    assert "the largest file written" in results["training"]
     table = (tmp_path / "gpu_check.md").read_text()
-    assert "## Cost profile" in table and "| tiny | 8 |" in table and "## End to end" in table
+    for title in ("## Cost profile", "## The loop at forced depths", "## An untrained speculator", "## End to end",
+                  "## Compiled verifier"):  # fmt: skip
+        assert title in table
