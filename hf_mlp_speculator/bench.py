@@ -410,7 +410,7 @@ def run(args) -> int:
         print("Plain weights: " + verify_cost_report(cost))
         results = {"environment": environment(args, model, speculator), "verify_cost": cost}
         if model.device.type == "cpu" and model.dtype == torch.float32:
-            # What speculative generate() verifies with where its probe measures packed weights faster.
+            # What speculative generate() verifies with where packed weights measure faster (`adaptive_packing`).
             with packed_weights(model):
                 results["verify_cost_packed"] = measure_verify_cost(model, speculator, args.context_length, max_k,
                                                                     args.repeats)  # fmt: skip

@@ -40,7 +40,9 @@ def main(argv=None):
         if args.debug:
             raise
         message = " ".join(str(error).split()) or type(error).__name__
-        print(f"hf-mlp-speculator {args.command}: error: {message}", file=sys.stderr)
+        # One write: processes of one launch (torchrun) share stderr, and print() writes the line break apart.
+        sys.stderr.write(f"hf-mlp-speculator {args.command}: error: {message}\n")
+        sys.stderr.flush()
         return 2
 
 

@@ -28,8 +28,9 @@ CONFIDENCE_BINS = 5
 PRIOR_WEIGHT = 1.0
 # Each observation of a head discounts its older ones by this factor (about the last 50 steps count).
 DECAY = 0.98
-# Share of the time a call may spend on steps the controller would not choose, to refresh its estimates: without
-# them a head whose acceptance looked poor, or a depth timed on a slow spell, would never be tried again.
+# Share of the time spent decoding (per cost model, for the process: a short call alone never has room for one) that
+# may go to steps the controller would not choose, to refresh its estimates: without them a head whose acceptance
+# looked poor, or a depth timed on a slow spell, would never be tried again.
 EXPLORATION_SHARE = 0.02
 
 
@@ -128,6 +129,7 @@ class Step:
     cache_length: int
     cost_model: CostModel
     forced: int | None = None  # the depth of a timing or exploration step
+    exploring: bool = False  # forced within the exploration share (not a depth's first timings)
 
 
 class SpeculationController:
@@ -152,7 +154,6 @@ class SpeculationController:
         self.depth_counts = [0] * (cap + 1)
         self.verify_seconds = [0.0] * (cap + 1)
         self.draft_runs, self.draft_seconds = [0] * cap, [0.0] * cap
-        self.exploring_seconds = self.total_seconds = 0.0
         self.step_start = None
 
     def step_costs(self, depth: int = 0, step: "Step | None" = None) -> list[float] | None:
@@ -171,8 +172,8 @@ class SpeculationController:
     def start_step(self, cache_length: int, rows: int) -> int:
         """The depth planned for this step, for `rows` rows on a cache of `cache_length` tokens; 0: no drafts."""
         now = time.perf_counter()
-        if self.step_start is not None:
-            self.total_seconds += now - self.step_start
+        if self.step_start is not None:  # the exploration share is kept for the process, per cost model
+            self.step.cost_model.total_seconds += now - self.step_start
         self.step_start = now
         if rows not in self.cost_models:
             self.cost_models[rows] = self.cost_model_for(rows)
@@ -214,16 +215,20 @@ class SpeculationController:
             self.draft_runs[head] += 1
             self.draft_seconds[head] += seconds / heads
 
-    def end_step(self, step: "Step", depth: int, verify_seconds: float, new_tokens: int | None = None) -> None:
+    def end_step(self, step: "Step", depth: int, verify_seconds: float, new_tokens: int | None = None,
+                 steady: bool = True) -> None:  # fmt: skip
         """
         Records the verifier forward of `step` (what `start_step` left in `self.step`), which drafted `depth` heads
-        (`new_tokens` per row, if unusual). On a GPU the timing arrives a step or so late.
+        (`new_tokens` per row, if unusual). On a GPU the timing arrives a step or so late. A forward that ran in a way
+        later ones will not (on CPU, on the weights that measured slower, see `packed_linear`) is not `steady`: its
+        timing stands in for the step's cost only until steady ones come.
         """
-        step.cost_model.record_verify(step.cache_length, new_tokens or self.new_tokens(depth), verify_seconds)
+        step.cost_model.record_verify(step.cache_length, new_tokens or self.new_tokens(depth), verify_seconds, steady)
         self.depth_counts[depth] += 1
         self.verify_seconds[depth] += verify_seconds
-        if step.forced is not None and not self.constant and (costs := self.step_costs(0, step)) is not None:
-            self.exploring_seconds += costs[depth]  # the whole step counts: even a cheap depth may emit less
+        if step.exploring and (costs := self.step_costs(0, step)) is not None:
+            # The whole step counts: even a cheap depth may emit less.
+            step.cost_model.exploring_seconds += costs[depth]
 
     def report_to(self, metrics) -> None:
         """Puts this call's depth counts and measured costs on a `SpeculationMetrics`."""
@@ -231,14 +236,19 @@ class SpeculationController:
         metrics.draft_runs_by_head, metrics.draft_seconds_by_head = list(self.draft_runs), list(self.draft_seconds)
 
     def _forced_depth(self) -> int | None:
-        """A depth to run whatever the estimates: first each depth never tried, then within the exploration share."""
+        """
+        A depth to run whatever the estimates: first each depth never timed (twice: its first timing is left out, see
+        `CostModel.record_verify`), then within the exploration share.
+        """
         cost_model, cache_length = self.step.cost_model, self.step.cache_length
         stale = {d: cost_model.staleness(cache_length, self.new_tokens(d)) for d in range(self.cap + 1)}
         never = [d for d, age in stale.items() if age == math.inf]
         costs = self.step_costs()
         target = never[0] if never else max(stale, key=stale.get)
         # No timings to weigh yet (steps that drafted from prompt lookup time nothing): time this depth.
-        if never or costs is None or self.exploring_seconds + costs[target] <= EXPLORATION_SHARE * self.total_seconds:
-            cost_model.tried(cache_length, self.new_tokens(target))
-            return target
-        return None
+        exploring = not never and costs is not None
+        if exploring and cost_model.exploring_seconds + costs[target] > EXPLORATION_SHARE * cost_model.total_seconds:
+            return None
+        self.step.exploring = exploring
+        cost_model.tried(cache_length, self.new_tokens(target))
+        return target

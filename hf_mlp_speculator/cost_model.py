@@ -19,6 +19,8 @@ import torch
 
 # Recent timings kept per measured quantity: enough for a stable median, few enough to follow a change of load.
 WINDOW = 16
+# Steps that may be forced to verify an `m` until a steady timing of it comes back.
+UNTIMED_TRIES = 4
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -40,21 +42,38 @@ class CostModel:
 
     def __init__(self):
         self.verify = defaultdict(lambda: deque(maxlen=WINDOW))  # (cache bucket, m) -> seconds
+        # The same of forwards that ran in a way later ones will not (see `record_verify`), used only where `verify`
+        # has none.
+        self.unsteady = defaultdict(lambda: deque(maxlen=WINDOW))
         self.draft = defaultdict(lambda: deque(maxlen=WINDOW))  # head -> seconds
         self.last_tried = {}  # (cache bucket, m) -> how many verify timings had been recorded when it was last tried
+        self.first_seen = set()  # (cache bucket, m) whose first timing came (and was left out)
+        self.tries = {}  # (cache bucket, m) -> steps forced to verify it
         self.num_timings = 0
+        # Seconds of decoding steps timed with this model, and of those the controller forced (see `controller`).
+        self.total_seconds = self.exploring_seconds = 0.0
         self.medians = {}  # what `timed_new_tokens` and `draft_cost` computed since the last timing: asked every step
 
-    def record_verify(self, cache_length: int, new_tokens: int, seconds: float) -> None:
+    def record_verify(self, cache_length: int, new_tokens: int, seconds: float, steady: bool = True) -> None:
+        """
+        A verify timing. The first of each (cache bucket, m) is not kept: it pays one-time costs (kernels chosen for a
+        new shape, on any device), which would make that `m` look dearer than it is for long. A forward that is not
+        `steady` ran in a way later ones will not (on CPU, on the kind of weights that measured slower, while
+        `packed_linear` tries both): its timing stands in only until steady ones come.
+        """
         key = (cache_bucket(cache_length), int(new_tokens))
-        self.verify[key].append(seconds)
-        self.medians.clear()
+        if key in self.first_seen:
+            (self.verify if steady else self.unsteady)[key].append(seconds)
+            self.medians.clear()
+        self.first_seen.add(key)
         self.num_timings += 1
         self.last_tried[key] = self.num_timings
 
     def tried(self, cache_length: int, new_tokens: int) -> None:
         """Notes that a step was meant to verify `new_tokens` per row: it may end shallower (an unsure draft)."""
-        self.last_tried[(cache_bucket(cache_length), int(new_tokens))] = self.num_timings
+        key = (cache_bucket(cache_length), int(new_tokens))
+        self.last_tried[key] = self.num_timings
+        self.tries[key] = self.tries.get(key, 0) + 1
 
     def record_draft(self, head: int, seconds: float) -> None:
         self.draft[head].append(seconds)
@@ -64,8 +83,9 @@ class CostModel:
         """{m: median seconds} for the cache bucket of `cache_length`, else for the nearest bucket with timings."""
         key = ("verify", cache_bucket(cache_length))
         if key not in self.medians:
-            buckets = sorted({bucket for bucket, _ in self.verify}, key=lambda b: abs(b - key[1]))
-            self.medians[key] = {m: statistics.median(times) for (bucket, m), times in self.verify.items()
+            timed = {k: t for k, t in self.unsteady.items() if t} | {k: t for k, t in self.verify.items() if t}
+            buckets = sorted({bucket for bucket, _ in timed}, key=lambda b: abs(b - key[1]))
+            self.medians[key] = {m: statistics.median(times) for (bucket, m), times in timed.items()
                                  if bucket == buckets[0]} if buckets else {}  # fmt: skip
         return self.medians[key]
 
@@ -98,9 +118,15 @@ class CostModel:
         return self.medians[key]
 
     def staleness(self, cache_length: int, new_tokens: int) -> float:
-        """How many verify timings ago a step last tried this `m` in this cache bucket (`inf` if never)."""
+        """
+        How many verify timings ago a step last tried this `m` in this cache bucket: `inf` if never, or while no steady
+        timing came back from fewer than `UNTIMED_TRIES` tries (its first timing is left out, and on CPU the first
+        forwards of a shape may run on the slower kind of weights while `packed_linear` tries both).
+        """
         key = (cache_bucket(cache_length), int(new_tokens))
-        return self.num_timings - self.last_tried[key] if key in self.last_tried else math.inf
+        if key not in self.last_tried or (not self.verify.get(key) and self.tries.get(key, 0) < UNTIMED_TRIES):
+            return math.inf
+        return self.num_timings - self.last_tried[key]
 
     def summary(self) -> dict:
         """{"verify_seconds_by_new_tokens": {m: s}, "draft_seconds_by_head": {h: s}} over all cache buckets."""

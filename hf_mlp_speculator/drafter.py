@@ -16,6 +16,7 @@ from .cost_model import Stopwatch, cost_model_for
 from .drafting import Drafts, draft_chain, draft_tree
 from .host_transfer import to_host
 from .metrics import SpeculationMetrics
+from .packed_linear import steady_forward
 from .prompt_lookup import HybridDrafter, lookup_drafts, with_lookup
 
 
@@ -29,6 +30,7 @@ class DraftStep:
     from_lookup: list[bool]
     lookup: list[list[int]] | None = None
     timing: object = None
+    steady: bool = True  # the verifier's forward ran as later ones will (see `packed_linear.steady_forward`)
 
 
 class Drafter:
@@ -40,7 +42,7 @@ class Drafter:
 
     def __init__(self, verifier, speculator, generation_config, rows: int, kind: str, new_tokens=lambda d: d + 1):
         config = speculator.config
-        self.speculator, self.heads = speculator, speculator.speculator
+        self.verifier, self.speculator, self.heads = verifier, speculator, speculator.speculator
         self.num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
         # transformers' `assistant_confidence_threshold`, as the user set it (see `generation.assistant_setting`).
         self.threshold = generation_config.assistant_confidence_threshold or 0.0
@@ -105,7 +107,7 @@ class Drafter:
         return self.stopwatch.start()
 
     def stop_verify(self, step: DraftStep, mark) -> None:
-        step.timing = self.stopwatch.stop(mark)
+        step.timing, step.steady = self.stopwatch.stop(mark), steady_forward(self.verifier)
 
     def end_step(self, step: DraftStep, rows: list[int], drafted: list[int], accepted: list[int],
                  num_emitted: list[int], confidences, nonfinite: list[bool], nodes: int, verified=None,
@@ -124,8 +126,9 @@ class Drafter:
             self.controller.acceptance.record([confidences[i] for i in own], [drafted[i] for i in own],
                                               [accepted[i] for i in own])  # fmt: skip
         if not any(step.from_lookup):  # lookup drafts may run deeper than the depths the controller weighs
-            controller_step, depth = step.step, max(drafted)
-            self.stopwatch.report(step.timing, lambda s: self.controller.end_step(controller_step, depth, s, nodes))
+            controller_step, depth, steady = step.step, max(drafted), step.steady
+            self.stopwatch.report(step.timing, lambda s: self.controller.end_step(controller_step, depth, s, nodes,
+                                                                                  steady))
         if self.hybrid is not None:
             self.hybrid.record(rows, step.lookup, step.from_lookup, verified, emitted)
 

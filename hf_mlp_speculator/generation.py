@@ -32,7 +32,7 @@ from transformers.utils import logging
 from .candidate_generator import MLPSpeculatorCandidateGenerator
 from .kv_cache import cache_kind
 from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
-from .packed_linear import packed_weights, packing_pays
+from .packed_linear import adaptive_packing
 from .speculative_decoding import generate_speculatively
 
 logger = logging.get_logger(__name__)
@@ -282,9 +282,8 @@ class MLPSpeculatorGenerationMixin:
                 generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None),
                 stop_string_criterion=stop_strings, **tree,
             )  # fmt: skip
-        # The fast verify path, only where it measured faster and only for this call (see `packed_linear`).
-        num_heads = min(speculator.config.n_predict, merged.num_assistant_tokens or speculator.config.n_predict)
-        with packed_weights(self, packing_pays(self, rows, num_heads + 1)):
+        # On CPU, each forward on packed or plain weights, whichever measured faster (see `packed_linear`).
+        with adaptive_packing(self):
             output = _STOCK["generate"](self, *args, **kwargs)
         metrics = speculator.speculation_metrics
         if metrics is not None:

@@ -1,14 +1,17 @@
-"""Pre-packed oneDNN weights for `nn.Linear` on CPU, so that verifying k+1 tokens costs about as much as one.
+"""Pre-packed oneDNN weights for `nn.Linear` on CPU, used forward by forward wherever they measure faster.
 
-A speculative step runs the verifier on k+1 tokens. On CPU, PyTorch's default matmul (MKL) costs nearly k+1 times a
-one-token step for these short inputs, which eats the whole gain of speculation. oneDNN with weights reordered into
-its blocked layout reads each weight once per call and is almost flat from 1 to 8 rows.
+A speculative step runs the verifier on k+1 tokens. On some CPUs, PyTorch's default matmul (MKL) costs nearly k+1 times
+a one-token step for these short inputs, and oneDNN with weights reordered into its blocked layout reads each weight
+once per call, almost flat from 1 to 8 rows; on others (a Xeon with AMX, measured 2026-12-04) the packed path is
+slower than the plain one. No probe decides that once: `adaptive_packing(model)` times the model's own forwards, and
+each forward runs on the weights, packed or plain, that its shape's recent forwards measured faster
+(`PackingChoice`). Speculative `generate()` enters it by itself; `fast_cpu_decoding(model)` is the same for plain
+decoding.
 
-`packed_weights(model)` is what speculative `generate()` enters on its own, where a probe measured it faster
-(`packing_pays`). It is a context: inside, every `nn.Linear` of the model multiplies with a packed copy; on leaving,
-every one is a plain `nn.Linear` again, so the user's model is as it was: same classes, same parameters, `state_dict`,
-tied weights, `.to(...)` and training all unaffected. The one lasting trace is memory: the packed copies are kept (as
-long as the model lives) so that the next call need not pack again, which takes seconds. A copy is remade whenever its
+Inside, every `nn.Linear` of the model multiplies with a packed copy or its own weight, by turns; on leaving, every one
+is a plain `nn.Linear` again, so the user's model is as it was: same classes, same parameters, `state_dict`, tied
+weights, `.to(...)` and training all unaffected. The one lasting trace is memory: the packed copies are kept (as long
+as the model lives) so that the next call need not pack again, which takes seconds. A copy is remade whenever its
 weight changed since it was packed (an in-place update or `load_state_dict` bumps the weight's version counter; a new
 tensor, dtype or device has another identity), so it is never stale.
 
@@ -19,9 +22,9 @@ or disagrees, one INFO line says so and decoding runs on the plain weights, on a
 """
 
 import contextlib
-import statistics
 import time
 import weakref
+from collections import deque
 
 import torch
 from torch import nn
@@ -49,9 +52,13 @@ TOLERANCE = 1e-4
 
 # id(weight) -> (weak reference to the weight, its version, its dtype, packed copy): dropped with the weight.
 _PACKED: dict[int, tuple] = {}
-# model -> {batch bucket: whether packed verification measured faster}; weakly keyed, so that a new model never
-# inherits the verdict of a freed one that lived at the same address.
-_PAYS = weakref.WeakKeyDictionary()
+# model -> its `PackingChoice`; weakly keyed, so that a new model never inherits the timings of a freed one that lived
+# at the same address.
+_CHOICES = weakref.WeakKeyDictionary()
+# Forwards of each kind a shape runs before the two are compared, and how many recent ones the comparison reads.
+TRIALS, WINDOW = 3, 16
+# One forward in this many, per shape, runs the kind that measured slower, so that a change of the machine shows.
+EXPLORE_EVERY = 50
 # model -> whether its packed and plain forwards agreed (`packed_matches_plain`, asked once per model).
 _AGREES = weakref.WeakKeyDictionary()
 
@@ -141,50 +148,115 @@ def _agrees(model: nn.Module) -> bool:
     return _AGREES[model]
 
 
-@torch.no_grad()
-def packing_pays(model: nn.Module, batch_size: int, max_new_tokens: int, repeats: int = 3) -> bool:
+class PackingChoice:
     """
-    Whether packed weights make `model`'s forward over 1 and over `max_new_tokens` tokens per row faster, at this
-    batch size (its power-of-two bucket), having first checked that they compute what the plain ones do
-    (`packed_matches_plain`). Measured once per process, on forwards of random tokens, plain and packed taking turns.
+    Packed or plain, per forward of a model, from the model's own recent forwards of the same shape (`shape`): each
+    kind's fastest of its last `WINDOW` forwards. A machine's noise
+    only ever adds time, so the fastest is the steadiest measure of what a kind can do. Each kind runs a first forward
+    of a shape that is not counted (the first calls of a process or of a kernel pay one-time costs), then `TRIALS`
+    that are; after that the faster kind runs, and one forward in `EXPLORE_EVERY` the slower one, so that a choice
+    the real forwards show losing is undone.
     """
-    if not _packable(model):
-        return False
-    from .cost_model import batch_bucket
 
-    verdicts = _PAYS.setdefault(model, {})
-    key = batch_bucket(batch_size)
-    if key not in verdicts:
-        vocab = model.config.get_text_config().vocab_size
-        generator = torch.Generator().manual_seed(0)
-        inputs = [torch.randint(vocab, (batch_size, m), generator=generator) for m in (1, max_new_tokens)]
-        verdicts[key] = _agrees(model)
-        if verdicts[key]:
-            with packed_weights(model):  # packs now (once per weight), so that no timing below includes packing
-                pass
-            times = {False: [], True: []}
-            for _ in range(repeats):
-                for packed in (False, True):
-                    with packed_weights(model, packed):
-                        start = time.perf_counter()
-                        for x in inputs:
-                            model(x, use_cache=False)
-                        times[packed].append(time.perf_counter() - start)
-            verdicts[key] = statistics.median(times[True]) < statistics.median(times[False])
-            logger.info(
-                f"Packed weights {'are' if verdicts[key] else 'are not'} faster at batch {batch_size}: "
-                f"{statistics.median(times[True]):.4f} s against {statistics.median(times[False]):.4f} s."
-            )
-    return verdicts[key]
+    def __init__(self):
+        self.times = {}  # (batch bucket, tokens bucket) -> {packed: deque of seconds}
+        self.forwards = {}  # (batch bucket, tokens bucket) -> forwards run
+        self.steady = True  # whether the latest forward ran on the kind that measured faster (no trial, no exploring)
+
+    @staticmethod
+    def shape(input_ids: torch.Tensor) -> tuple[int, int]:
+        """(batch bucket, tokens bucket): one token (a plain step), up to 8 (a step that verifies drafts: one
+        verdict for all its depths, so that trying both kinds costs a call few forwards), or more (a prefill)."""
+        rows, tokens = (int(n) for n in input_ids.shape[:2])
+        return 1 << max(0, rows - 1).bit_length(), 1 if tokens == 1 else max(8, 1 << (tokens - 1).bit_length())
+
+    def choose(self, shape) -> bool:
+        times = self.times.setdefault(shape, {False: None, True: None})
+        count = self.forwards[shape] = self.forwards.get(shape, 0) + 1
+        short = [packed for packed in (False, True) if times[packed] is None or len(times[packed]) < TRIALS]
+        self.steady = not short and count % EXPLORE_EVERY != 0
+        if short:  # both kinds, by turns, until each has its trials
+            return short[0] if len(short) == 1 else bool(count % 2)
+        faster = min(times[True]) < min(times[False])
+        return faster != (count % EXPLORE_EVERY == 0)
+
+    def record(self, shape, packed: bool, seconds: float) -> None:
+        times = self.times.setdefault(shape, {False: None, True: None})
+        if times[packed] is None:  # this kind's first forward of the shape: one-time costs, not counted
+            times[packed] = deque(maxlen=WINDOW)
+        else:
+            times[packed].append(seconds)
+
+    def summary(self) -> dict:
+        """{(batch bucket, tokens bucket): (plain seconds, packed seconds)}: each kind's fastest recent forward."""
+        return {shape: tuple(min(t[packed]) if t[packed] else None for packed in (False, True))
+                for shape, t in self.times.items()}  # fmt: skip
+
+
+@contextlib.contextmanager
+def adaptive_packing(model: nn.Module):
+    """
+    Inside, each forward of an fp32 CPU `model` runs on packed or plain weights, whichever its shape's recent forwards
+    measured faster (`PackingChoice`, kept for the model's lifetime); elsewhere, or where packing is unavailable or
+    disagrees with the plain weights (checked once per model), nothing changes. On leaving, the model is as it was.
+    """
+    if not _agrees(model):  # also False, and silent, for a model that is no fp32 CPU model
+        yield model
+        return
+    choice = _CHOICES.setdefault(model, PackingChoice())
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    for module in linears:
+        module.packed_weight = _packed_copy(module.weight)
+    state = {"packed": False}
+
+    def set_packed(packed: bool) -> None:
+        if packed != state["packed"]:
+            for module in linears:
+                module.__class__ = PackedLinear if packed else nn.Linear
+            state["packed"] = packed
+
+    def before(module, args, kwargs):
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        inputs = inputs if inputs is not None else kwargs.get("inputs_embeds")
+        state["shape"] = shape = PackingChoice.shape(inputs)
+        set_packed(choice.choose(shape))
+        state["start"] = time.perf_counter()
+
+    def after(module, args, kwargs, output):
+        choice.record(state["shape"], state["packed"], time.perf_counter() - state["start"])
+
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+    try:
+        yield model
+    finally:
+        for hook in hooks:
+            hook.remove()
+        set_packed(False)
+        for module in linears:
+            module.__dict__.pop("packed_weight", None)
+
+
+def steady_forward(model: nn.Module) -> bool:
+    """Whether `model`'s latest forward ran as its later ones will: not one that tried or re-measured the kind of
+    weights that is not the faster (a cost model timing it would see the slower kind's time)."""
+    choice = _CHOICES.get(model)
+    return choice is None or choice.steady
+
+
+def packing_summary(model: nn.Module) -> dict:
+    """What `adaptive_packing` measured on `model` so far (see `PackingChoice.summary`); empty if nothing."""
+    choice = _CHOICES.get(model)
+    return choice.summary() if choice is not None else {}
 
 
 @contextlib.contextmanager
 def fast_cpu_decoding(model: nn.Module):
     """
-    The fast CPU path for plain decoding, without a speculator: inside, an fp32 CPU `model` multiplies with
-    oneDNN-packed weights, as speculative `generate()` does by itself, where a probe saw packed and plain forwards
-    agree (once per model; elsewhere, or on another device or dtype, nothing changes). On leaving, the model is as it
-    was; packed copies are kept for the next time and remade for any weight that changed, so they are never stale.
+    Plain decoding on the faster of packed and plain weights, forward by forward (`adaptive_packing`), as speculative
+    `generate()` does by itself: for an fp32 CPU `model` whose packed and plain forwards agree (checked once per
+    model); elsewhere nothing changes. It is never slower than the plain weights for long: a shape's first forwards
+    try both kinds, and then the faster runs. On leaving, the model is as it was.
 
     ```python
     >>> from hf_mlp_speculator import fast_cpu_decoding
@@ -192,32 +264,5 @@ def fast_cpu_decoding(model: nn.Module):
     ...     output = model.generate(input_ids, max_new_tokens=128)
     ```
     """
-    with packed_weights(model, _agrees(model)):
+    with adaptive_packing(model):
         yield model
-
-
-def pack_linear_weights(model: nn.Module) -> nn.Module:
-    """
-    Makes every `nn.Linear` of a CPU fp32 `model` a `PackedLinear` for good, in place; for a model that only runs
-    forward from now on, such as the trainer's frozen base (check `packed_matches_plain(model)` first). Its packed
-    copies are not remade if the weights change: `unpack_linear_weights` first. Returns `model`.
-    """
-    if not (OPS and _packable(model)):
-        raise ValueError(
-            "pack_linear_weights is for fp32 CPU models on a PyTorch build with oneDNN's packed-linear ops; leave the "
-            "model unpacked (speculative generate() packs by itself where it measures faster)."
-        )
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.packed_weight = _packed_copy(module.weight)
-            module.__class__ = PackedLinear
-    return model
-
-
-def unpack_linear_weights(model: nn.Module) -> nn.Module:
-    """Turns every `PackedLinear` of `model` back into a plain `nn.Linear`, in place. Returns `model`."""
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            module.__dict__.pop("packed_weight", None)
-            module.__class__ = nn.Linear
-    return model

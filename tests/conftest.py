@@ -1,5 +1,7 @@
 """Tiny random verifiers and speculators, and an oracle speculator whose drafts are right only from the right state."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -155,12 +157,13 @@ def every_head_drafts(request, monkeypatch):
     """
     Outside tests marked `cost_aware`, every step drafts all the heads the call allows (then the confidence threshold
     and the length limit apply), so that what the decoding machinery does is known exactly; the controller would
-    choose depths from wall-clock timings. Nor do they time packed weights against plain ones (forwards that tests
-    counting forwards would see). Both are tested in test_cost_aware.py and test_packed_linear.py.
+    choose depths from wall-clock timings. Nor do they run forwards on packed weights (the check that those agree
+    with the plain ones is forwards that tests counting forwards would see). Both are tested in test_cost_aware.py and
+    test_packed_linear.py.
     """
     if request.node.get_closest_marker("cost_aware") is None:
         monkeypatch.setattr(SpeculationController, "_forced_depth", lambda self: self.cap)
-        monkeypatch.setattr(generation, "packing_pays", lambda *args: False)
+        monkeypatch.setattr(generation, "adaptive_packing", contextlib.nullcontext)
 
 
 @pytest.fixture

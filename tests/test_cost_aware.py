@@ -1,5 +1,6 @@
 """The cost-aware controller's choices, the cost model, and lossless decoding with both in charge."""
 
+import contextlib
 import functools
 import time
 
@@ -9,9 +10,10 @@ from conftest import make_oracle, make_prompt, make_speculator, make_verifier
 from torch import nn
 from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
+from hf_mlp_speculator import generation
 from hf_mlp_speculator.controller import AcceptanceEstimate, SpeculationController, best_depth, expected_tokens
 from hf_mlp_speculator.cost_model import CostModel, batch_bucket, cache_bucket
-from hf_mlp_speculator.packed_linear import PackedLinear, packed_weights, packing_pays
+from hf_mlp_speculator.packed_linear import PackedLinear, PackingChoice, adaptive_packing, packed_weights
 
 pytestmark = pytest.mark.cost_aware
 
@@ -20,6 +22,7 @@ def filled_cost_model(verify, draft=0.0, cache_length=100):
     """A cost model that timed `verify[m - 1]` seconds for m = 1.. new tokens, and `draft` per head."""
     costs = CostModel()
     for m, seconds in enumerate(verify, start=1):
+        costs.record_verify(cache_length, m, 100.0)  # each m's first timing pays one-time costs: left out
         costs.record_verify(cache_length, m, seconds)
     for head in range(len(verify) - 1):
         costs.record_draft(head, draft)
@@ -27,9 +30,7 @@ def filled_cost_model(verify, draft=0.0, cache_length=100):
 
 
 def controller_with(costs, acceptance, cap):
-    controller = SpeculationController(lambda rows: costs, acceptance, cap)
-    controller.total_seconds = 0.0  # no exploration budget: the choice is the estimate's alone
-    return controller
+    return SpeculationController(lambda rows: costs, acceptance, cap)  # no time spent yet: no exploration budget
 
 
 def test_picks_a_plain_step_where_drafts_never_pay():
@@ -86,13 +87,14 @@ def test_cost_model_recovers_a_synthetic_cost_curve():
     assert (costs.draft_cost(0), costs.draft_cost(1), costs.draft_cost(3)) == pytest.approx((0.004, 0.002, 0.002))
     assert CostModel().verify_cost(300, 1) is None
     # A larger m timed cheaper than a smaller one (a quiet spell) costs at least as much as the smaller one.
-    costs.record_verify(10, 1, 0.2)
-    costs.record_verify(10, 3, 0.1)
+    for m, seconds in ((1, 0.2), (3, 0.1)):
+        costs.record_verify(10, m, 9.0)  # the first timing of a shape pays one-time costs: left out
+        costs.record_verify(10, m, seconds)
     assert (costs.verify_cost(10, 1), costs.verify_cost(10, 3)) == (0.2, 0.2)
     assert (batch_bucket(1), batch_bucket(5), batch_bucket(8), cache_bucket(100), cache_bucket(600)) == (1, 8, 8, 0, 2)
 
 
-def test_every_depth_is_timed_once_then_exploration_stays_within_its_share():
+def test_every_depth_is_timed_twice_then_exploration_stays_within_its_share():
     costs = CostModel()
     controller = SpeculationController(lambda rows: costs, AcceptanceEstimate(2), cap=2)
     fake = {"now": 0.0}
@@ -107,8 +109,9 @@ def test_every_depth_is_timed_once_then_exploration_stays_within_its_share():
             chosen.append(depth)
     finally:
         time.perf_counter = original
-    assert chosen[:3] == [0, 1, 2]  # never-timed depths first
-    explored = [d for d in chosen[3:] if d]  # exploration steps that drafted; each cost 1 + d seconds
+    # Never-timed depths first, twice each: their first timings pay one-time costs and are left out.
+    assert chosen[:6] == [0, 0, 1, 1, 2, 2]
+    explored = [d for d in chosen[6:] if d]  # exploration steps that drafted; each cost 1 + d seconds
     assert explored and sum(1.0 + d for d in explored) <= 0.02 * sum(1.0 + d for d in chosen)
 
 
@@ -126,6 +129,8 @@ def clock(monkeypatch):
 
         monkeypatch.setattr(cls, "forward", timed)
     monkeypatch.setattr(time, "perf_counter", lambda: state.now)
+    # Under a clock that forwards alone move, packed and plain weights time the same: no packing (tested apart).
+    monkeypatch.setattr(generation, "adaptive_packing", contextlib.nullcontext)
     return state
 
 
@@ -204,21 +209,24 @@ def test_packed_weights_leave_the_model_as_it_was_and_never_go_stale():
             torch.testing.assert_close(verifier(tokens).logits, expected, rtol=1e-5, atol=1e-5)
     verifier.to(torch.bfloat16)  # a plain model again: any dtype change works
     assert next(verifier.parameters()).dtype == torch.bfloat16
-    assert packing_pays(verifier, 1, 4) is False  # bf16: not packed
+    with adaptive_packing(verifier):  # bf16: not a model for packing
+        verifier(tokens)
+        assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
 
 
 def test_speculative_generate_with_packing_is_identical_and_unpacks(monkeypatch):
     verifier, prompt = make_verifier(), make_prompt()
     speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 2)
     expected = verifier.generate(prompt, max_new_tokens=20, do_sample=False)
-    from hf_mlp_speculator import generation
 
-    monkeypatch.setattr(generation, "packing_pays", lambda *args: True)
+    monkeypatch.setattr(generation, "adaptive_packing", adaptive_packing)  # conftest turns it off
+    monkeypatch.setattr(PackingChoice, "choose", lambda self, shape: True)  # as where packing measured faster
     seen = []
     forward = LlamaForCausalLM.forward
 
     def spy(self, *args, **kwargs):
-        seen.append(type(self.lm_head) is PackedLinear)
+        if kwargs.get("use_cache"):  # decoding, not the check that packed and plain weights agree
+            seen.append(type(self.lm_head) is PackedLinear)
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", spy)
@@ -240,20 +248,23 @@ def test_sampling_stays_exact_while_the_controller_varies_the_depth(clock):
 
 def test_measurements_belong_to_their_model_and_die_with_it():
     """Kept per model object, not per address: CPython reuses a freed model's id, and a new model must not start from
-    its timings or its packing verdict (a stale cost model once made a later test's controller never draft)."""
+    its timings or its packing timings (a stale cost model once made a later test's controller never draft)."""
     import gc
 
     from hf_mlp_speculator import cost_model, packed_linear
 
     verifier = make_verifier()
-    cost_model.cost_model_for(verifier, 1).record_verify(10, 2, 5.0)
-    packing_pays(verifier, 1, 2, repeats=1)
+    for seconds in (9.0, 5.0):  # the first timing of a shape is left out
+        cost_model.cost_model_for(verifier, 1).record_verify(10, 2, seconds)
+    with adaptive_packing(verifier):
+        verifier(torch.tensor([[1, 2]]))
     assert cost_model.cost_model_for(verifier, 1).summary()["verify_seconds_by_new_tokens"] == {2: 5.0}
     assert cost_model.cost_model_for(make_verifier(), 1).summary()["verify_seconds_by_new_tokens"] == {}
-    held = len(cost_model._COST_MODELS), len(packed_linear._PAYS)
+    assert packed_linear.packing_summary(verifier) and not packed_linear.packing_summary(make_verifier())
+    held = len(cost_model._COST_MODELS), len(packed_linear._CHOICES)
     del verifier
     gc.collect()
-    assert len(cost_model._COST_MODELS) < held[0] and len(packed_linear._PAYS) < held[1]
+    assert len(cost_model._COST_MODELS) < held[0] and len(packed_linear._CHOICES) < held[1]
 
 
 def test_a_cost_model_without_timings_times_a_depth():

@@ -1,7 +1,9 @@
-"""Packed oneDNN linears compute what nn.Linear computes, speculative greedy output stays identical, and a torch whose
-private ops are missing, fail or compute wrongly decodes on the plain weights."""
+"""Packed oneDNN linears compute what nn.Linear computes, speculative greedy output stays identical, each forward runs on
+the kind of weights that measured faster on this machine, and a torch whose private ops are missing, fail or compute
+wrongly decodes on the plain weights."""
 
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +13,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_mlp_speculator import fast_cpu_decoding, generation, packed_linear
-from hf_mlp_speculator.packed_linear import PackedLinear, pack_linear_weights, unpack_linear_weights
+from hf_mlp_speculator.packed_linear import EXPLORE_EVERY, TRIALS, PackedLinear, adaptive_packing, packed_weights
 
 
 def test_packed_linear_matches_nn_linear_for_every_row_count():
@@ -19,11 +21,11 @@ def test_packed_linear_matches_nn_linear_for_every_row_count():
     linear = nn.Linear(64, 96)
     reference = nn.Linear(64, 96)
     reference.load_state_dict(linear.state_dict())
-    pack_linear_weights(nn.Sequential(linear))
-    assert isinstance(linear, PackedLinear)
-    for shape in [(1, 64), (1, 1, 64), (1, 5, 64), (3, 8, 64)]:
-        x = torch.randn(shape)
-        torch.testing.assert_close(linear(x), reference(x), rtol=1e-5, atol=1e-5)
+    with packed_weights(nn.Sequential(linear)):
+        assert isinstance(linear, PackedLinear)
+        for shape in [(1, 64), (1, 1, 64), (1, 5, 64), (3, 8, 64)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(linear(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
 def test_packed_model_keeps_its_parameters_and_ties():
@@ -37,36 +39,75 @@ def test_packed_model_keeps_its_parameters_and_ties():
             return verifier(tokens).logits, speculator(hidden, tokens).logits
 
     expected, states = logits(), [dict(model.state_dict()) for model in (verifier, speculator)]
-    pack_linear_weights(verifier)
-    pack_linear_weights(speculator)
-    assert all(isinstance(m, PackedLinear) for m in (*verifier.modules(), *speculator.modules())
-               if isinstance(m, nn.Linear))  # fmt: skip
-    assert verifier.lm_head.weight is verifier.model.embed_tokens.weight
-    heads = speculator.speculator
-    assert all(head.weight is heads.head[0].weight for head in heads.head)
-    assert all(proj.weight is heads.proj[1].weight for proj in heads.proj[2:])
-    for model, state in zip((verifier, speculator), states):
-        assert model.state_dict().keys() == state.keys()
-        assert all(model.state_dict()[key].data_ptr() == value.data_ptr() for key, value in state.items())
-    torch.testing.assert_close(logits(), expected, rtol=1e-5, atol=1e-5)
-
-    unpack_linear_weights(verifier)
+    with packed_weights(verifier), packed_weights(speculator):
+        assert all(isinstance(m, PackedLinear) for m in (*verifier.modules(), *speculator.modules())
+                   if isinstance(m, nn.Linear))  # fmt: skip
+        assert verifier.lm_head.weight is verifier.model.embed_tokens.weight
+        heads = speculator.speculator
+        assert all(head.weight is heads.head[0].weight for head in heads.head)
+        assert all(proj.weight is heads.proj[1].weight for proj in heads.proj[2:])
+        for model, state in zip((verifier, speculator), states):
+            assert model.state_dict().keys() == state.keys()
+            assert all(model.state_dict()[key].data_ptr() == value.data_ptr() for key, value in state.items())
+        torch.testing.assert_close(logits(), expected, rtol=1e-5, atol=1e-5)
     assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
     assert not hasattr(verifier.lm_head, "packed_weight")
 
 
-def test_speculative_greedy_equality_with_packed_verifier_and_speculator():
-    verifier, prompt = make_verifier(), make_prompt()
-    speculator = make_oracle(verifier, prompt, 24, wrong=lambda p, h: (p + h) % 3 == 2)
-    pack_linear_weights(verifier)
-    expected = verifier.generate(prompt, max_new_tokens=24, do_sample=False)
-    output = verifier.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=speculator)
-    assert torch.equal(output, expected)
-    assert speculator.speculation_metrics.num_accepted_tokens > 0
+def slower(kind, seconds: float, monkeypatch):
+    """A machine on which `kind` of linear (packed or plain) takes `seconds` longer per call."""
+    forward = kind.forward
 
-    real = pack_linear_weights(make_speculator())
-    output = verifier.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=real)
+    def slow(self, input):
+        time.sleep(seconds)
+        return forward(self, input)
+
+    monkeypatch.setattr(kind, "forward", slow)
+
+
+def weights_of_each_forward(verifier) -> list[str]:
+    """The class of `lm_head` in each forward of `verifier` from now on: the kind of weights the forward ran on."""
+    kinds = []
+
+    def record(module, args, kwargs, output):
+        if kwargs.get("use_cache"):  # decoding, not the check that packed and plain weights agree
+            kinds.append(type(module.lm_head).__name__)
+
+    verifier.register_forward_hook(record, with_kwargs=True)
+    return kinds
+
+
+@pytest.mark.parametrize("loses", ["packed", "plain"])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_each_forward_runs_on_the_weights_that_measured_faster(monkeypatch, loses, speculative):
+    """
+    On a machine where packed weights lose (a Xeon with AMX, simulated: each packed linear sleeps), decoding runs on
+    the plain ones, and where they win (each plain linear sleeps), on the packed ones: once a shape's first forwards
+    tried both, all but one forward in EXPLORE_EVERY run the faster kind. The same for speculative `generate()` (each
+    step verifies 4 tokens here) and for plain decoding inside `fast_cpu_decoding`; greedy output identical.
+    """
+    monkeypatch.setattr(generation, "adaptive_packing", adaptive_packing)  # conftest turns it off
+    slower(PackedLinear if loses == "packed" else nn.Linear, 0.002, monkeypatch)
+    verifier, prompt, speculator = make_verifier(), make_prompt(), make_speculator()
+    expected = verifier.generate(prompt, max_new_tokens=60, do_sample=False)
+    forwards = []  # (new tokens per row, kind of weights) of each forward
+    verifier.register_forward_hook(
+        lambda module, args, kwargs, output: forwards.append(((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape[1],
+                                                              type(module.lm_head).__name__)),
+        with_kwargs=True,
+    )  # fmt: skip
+    if speculative:
+        output = verifier.generate(prompt, max_new_tokens=60, do_sample=False, assistant_model=speculator)
+    else:
+        with fast_cpu_decoding(verifier):
+            output = verifier.generate(prompt, max_new_tokens=60, do_sample=False)
     assert torch.equal(output, expected)
+    faster = "Linear" if loses == "packed" else "PackedLinear"
+    steps = [kind for tokens, kind in forwards if tokens == (4 if speculative else 1)]
+    assert set(steps[: 2 * TRIALS + 2]) == {"Linear", "PackedLinear"}  # both tried
+    later = steps[2 * TRIALS + 2 :]
+    assert len(later) > 40 and later.count(faster) >= len(later) * (1 - 1 / EXPLORE_EVERY) - 1, forwards
+    assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
 
 
 REAL_OPS = packed_linear.OPS
@@ -95,11 +136,11 @@ def off_by_a_thousandth(*args):
 def test_a_missing_failing_or_wrong_op_falls_back_to_plain_weights(monkeypatch, caplog, ops, logged):
     """Whatever a torch release does to the private ops, speculative generate() decodes on the plain weights."""
     monkeypatch.setattr(packed_linear, "OPS", ops)
-    monkeypatch.setattr(generation, "packing_pays", packed_linear.packing_pays)  # conftest turns the probe off
+    monkeypatch.setattr(generation, "adaptive_packing", adaptive_packing)  # conftest turns it off
     verifier, prompt = make_verifier(), make_prompt()
     speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 2)
     expected = verifier.generate(prompt, max_new_tokens=20, do_sample=False)
-    forwards = []  # the class of lm_head in each decoding forward (the probe's run without a cache)
+    forwards = []  # the class of lm_head in each decoding forward (the agreement check runs without a cache)
 
     def record(module, args, kwargs, output):
         if kwargs.get("use_cache"):
@@ -124,12 +165,15 @@ def test_the_probe_accepts_the_real_op():
 
 def test_fast_cpu_decoding_for_plain_generate(monkeypatch):
     """The public fast path: identical greedy output, the model as it was afterwards, never a stale copy."""
+    monkeypatch.setattr(packed_linear.PackingChoice, "choose", lambda self, shape: True)  # as where packing is faster
     verifier, prompt = make_verifier(), make_prompt()
     expected = verifier.generate(prompt, max_new_tokens=16, do_sample=False)
     pointers = {key: value.data_ptr() for key, value in verifier.state_dict().items()}
+    kinds = weights_of_each_forward(verifier)
     with fast_cpu_decoding(verifier) as model:
-        assert model is verifier and type(verifier.lm_head) is PackedLinear
+        assert model is verifier
         assert torch.equal(verifier.generate(prompt, max_new_tokens=16, do_sample=False), expected)
+    assert set(kinds) == {"PackedLinear"}
     assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
     assert {key: value.data_ptr() for key, value in verifier.state_dict().items()} == pointers
     with torch.no_grad():
@@ -140,5 +184,7 @@ def test_fast_cpu_decoding_for_plain_generate(monkeypatch):
 
     monkeypatch.setattr(packed_linear, "OPS", None)  # a torch without the ops: nothing changes
     other = make_verifier(seed=3)
+    kinds = weights_of_each_forward(other)
     with fast_cpu_decoding(other):
-        assert type(other.lm_head) is nn.Linear
+        other.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert set(kinds) == {"Linear"}

@@ -253,7 +253,8 @@ def test_a_seed_gives_the_same_tokens_every_time(mode, monkeypatch):
     jitter = random.Random(0)
     record = cost_model.CostModel.record_verify
     monkeypatch.setattr(cost_model.CostModel, "record_verify",
-                        lambda self, length, tokens, _: record(self, length, tokens, jitter.random()))  # fmt: skip
+                        lambda self, length, tokens, _, *steady: record(self, length, tokens, jitter.random(),
+                                                                         *steady))  # fmt: skip
     calls = tokens_of_four_calls(mode)
     assert all(tokens == calls[0] for tokens in calls)
     code = f"import json, test_sampling; print(json.dumps(test_sampling.tokens_of_four_calls({mode!r})))"

@@ -31,7 +31,7 @@ from transformers.utils import logging
 
 from ..configuration_mlp_speculator import MLPSpeculatorConfig
 from ..modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
-from ..packed_linear import pack_linear_weights, packed_matches_plain
+from ..packed_linear import packed_matches_plain, packed_weights
 from .arguments import SpeculatorTrainingArguments
 from .checkpoints import (
     TrainerState,
@@ -80,9 +80,6 @@ def load_base(args: SpeculatorTrainingArguments, device):
         shard_base(base)
     else:
         base.to(device)
-        if packed_matches_plain(base):
-            # The base only runs forward: oneDNN-packed weights make its batched decoding faster on CPU.
-            pack_linear_weights(base)
     if getattr(base.config.get_text_config(), "hidden_size", None) is None:
         raise ValueError(
             f"The base model's config ({type(base.config).__name__}) has no hidden_size, which sizes the speculator's "
@@ -330,7 +327,11 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     base, tokenizer = load_base(args, accelerator.device)
     budget = args.max_train_minutes * 60
     building = time.monotonic()
-    data = build_training_data(args, base, tokenizer, accelerator, budget * TARGETS_SHARE)
+    # On CPU, the base computes its targets on packed weights where those agree with the plain ones, whatever they
+    # measure: a forward's last bits differ between the two, and a run resumed from a kill must compute the targets
+    # the unbroken run computes (a sharded base is left as it is).
+    with packed_weights(base, not args.fsdp_base and packed_matches_plain(base)):
+        data = build_training_data(args, base, tokenizer, accelerator, budget * TARGETS_SHARE)
     # The targets count with the time they took when computed, not with the time reading them from the cache took
     # now: a rerun or a resumed run plans the same training as the first run.
     started += time.monotonic() - building - data.seconds
