@@ -2,22 +2,27 @@
 
 For each batch size, the evaluation prompts (never trained on) run in batches of that size, plain and speculative
 taking turns batch by batch, after a warm-up at each size that pays the one-time costs of the process (packing the
-weights, the cost model's first timings). Prints the speedup (plain seconds / speculative seconds), whether every
+weights, the first timings of each depth and kind of weights); with `--first-call` only plain decoding is warmed up,
+and the speculative calls are timed from the process's first. Prints the speedup (plain seconds / speculative seconds), whether every
 output was identical, and the depths the controller chose.
 
     python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64
-    python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8
+    python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8 --first-call
     python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7   # sampled, each batch under one seed
     python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7 --rejection   # transformers' sampling
+    python benchmarks/cost_aware_ratio.py --baseline faster-weights   # what the drafts bring: against plain decoding
+                                                                     # on the faster of packed and plain weights
 """
 
 import argparse
+import contextlib
 import time
 
 import torch
 
+from hf_mlp_speculator import fast_cpu_decoding
 from hf_mlp_speculator.default_models import evaluation_prompts
-from hf_mlp_speculator.timing import WARMUP_TOKENS, encode_prompts, load_pair
+from hf_mlp_speculator.timing import WARMUP_TOKENS, encode_prompts, load_pair, machine_description
 from hf_mlp_speculator.training.documents import left_padded
 
 
@@ -31,8 +36,14 @@ def main():
     parser.add_argument("--tree", action="store_true", help="draft trees (the speculator's n_candidates)")
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
     parser.add_argument("--rejection", action="store_true", help="speculative_sampling='rejection' (batch 1)")
+    parser.add_argument("--baseline", choices=["plain", "faster-weights"], default="plain",
+                        help="plain generate() on the weights as loaded, or on the faster of packed and plain weights "
+                             "(fast_cpu_decoding): against the latter the ratio is what the drafts bring")
+    parser.add_argument("--first-call", action="store_true",
+                        help="time the speculative calls from the process's first (the warm-up call is plain only)")
     args = parser.parse_args()
     model, tokenizer, speculator = load_pair(None, args.speculator)
+    print(machine_description(), f"; baseline: {args.baseline}", flush=True)
     prompts = [p[0].tolist() for p in encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for size in [int(s) for s in args.batch_sizes.split(",")]:
@@ -53,9 +64,12 @@ def main():
             if args.assistant_confidence_threshold is not None:
                 speculative["assistant_confidence_threshold"] = args.assistant_confidence_threshold
             for name, extra in (("plain", {}), ("speculative", speculative)):
+                if warmup and args.first_call and extra:
+                    continue
+                faster = name == "plain" and args.baseline == "faster-weights"
                 torch.manual_seed(index)
                 start = time.perf_counter()
-                with torch.no_grad():
+                with torch.no_grad(), fast_cpu_decoding(model) if faster else contextlib.nullcontext():
                     outputs[name] = model.generate(input_ids, **kwargs, **extra)
                 if not warmup:
                     seconds[name] += time.perf_counter() - start

@@ -15,7 +15,6 @@ tokens relative to one new token on a filled cache, and each draft head's cost r
 import contextlib
 import copy
 import json
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from .timing import (
     add_model_arguments,
     encode_prompts,
     load_pair,
+    machine_description,
     positive_int,
     positive_ints,
 )
@@ -97,7 +97,7 @@ class Mode:
     generate_kwargs: dict
     baseline: str  # the mode its speedup is measured against
     heads: int | None = None  # draft heads of a speculator mode
-    fast_cpu: bool = False  # plain decoding on the fast CPU path (`fast_cpu_decoding`)
+    fast_cpu: bool = False  # plain decoding on the faster of packed and plain weights (`fast_cpu_decoding`)
 
 
 def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
@@ -105,7 +105,7 @@ def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
     n_predict = speculator.config.n_predict
     return [
         Mode("plain greedy", greedy, "plain greedy"),
-        Mode("plain greedy, fast CPU path", greedy, "plain greedy", fast_cpu=True),
+        Mode("plain greedy, faster weights", greedy, "plain greedy", fast_cpu=True),
         Mode("prompt lookup", {**greedy, "prompt_lookup_num_tokens": prompt_lookup_num_tokens}, "plain greedy"),
         *[
             Mode(
@@ -379,7 +379,7 @@ def environment(args, model, speculator) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine_description(),
     }
 
 

@@ -65,11 +65,14 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     def get_candidates(
         self,
         input_ids: torch.LongTensor,
-        model_outputs: ModelOutput | None = None,
-        is_first_iteration: bool = False,
-        n_last_matches: int = 0,
+        *,
+        model_outputs: ModelOutput | None,
+        is_first_iteration: bool,
+        n_last_matches: int,
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
+        # No defaults: a transformers that renamed one of these would otherwise leave it at its default here and draft
+        # from the wrong row, silently; tests/test_pruning.py checks the rows themselves on every supported release.
         if is_first_iteration:
             # Nothing to draft from yet: let the prefill forward emit one token and give us its hidden state.
             self.in_prefill, self.num_drafted = True, 0

@@ -88,7 +88,8 @@ class Drafter:
         if self.hybrid is not None and not all(speculator_rows):
             use_lookup, lookup = lookup_drafts(step.lookup, step.from_lookup, last_tokens.device)
             limits = use_lookup.logical_not().long() * (depth if limits is None else limits)
-        hidden = hidden.to(self.speculator.device, self.speculator.dtype)
+        if depth:
+            hidden = hidden.to(self.speculator.device, self.speculator.dtype)
         mark = self.stopwatch.start()
         if tree is not None:
             drafts = draft_tree(self.heads, hidden, last_tokens, limits, depth, *tree)

@@ -107,12 +107,12 @@ def draft_chain(heads: MLPSpeculator, hidden, last_tokens, limits, depth: int, p
     depend on the drafts already made alone, so decoding stays lossless; both are taken after the last head, from the
     confidences, so that nothing is read back between heads.
     """
+    if not depth:
+        return plain_step(last_tokens)
     device = last_tokens.device  # the verifier's: processors and tokens live there
     state = heads.input_state(hidden)
     token = last_tokens
     drafts, confidences = [], []
-    if not depth:
-        return plain_step(last_tokens)
     for head in range(depth):
         state, logits = heads.step(head, state, token.to(state.device))
         scores = logits.to(device)

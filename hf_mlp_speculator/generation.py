@@ -1,17 +1,16 @@
-"""How `generate(assistant_model=speculator)` reaches the MLPSpeculator candidate generator.
+"""How `generate(assistant_model=speculator)` reaches the package's decoding loop, or transformers' own.
 
-transformers picks its candidate generator in `GenerationMixin._get_candidate_generator`, a fixed if/elif chain with no
-registry, so an MLPSpeculator needs a hook there. `MLPSpeculatorGenerationMixin` holds the two methods that make it
-work; everything else is transformers' own assisted decoding loop:
+transformers' `generate()` has no plug-in point for a speculator, so `MLPSpeculatorGenerationMixin` holds two methods
+that replace transformers' own:
 
 - `generate` checks the speculator against the verifier first (transformers' own check of the pair would report a
-  vocab mismatch as "different tokenizers" and would quietly ignore the speculator under beam search), routes a
-  batch of several sequences (several prompts, or `num_return_sequences > 1`), a request for tree candidates
-  (`n_candidates=` / `top_k_tokens_per_head=`) and every sampled call to our own decoding loop
-  (`speculative_decoding.generate_speculatively`, through `generate`'s `custom_generate` slot: transformers' assisted
-  decoding verifies one chain for one sequence, and its rejection sampling draws as many random numbers as there were
-  drafts, so that the same seed would give other tokens after other drafting), then logs the call's metrics;
-- `_get_candidate_generator` returns an `MLPSpeculatorCandidateGenerator` when the assistant is an MLPSpeculator.
+  vocab mismatch as "different tokenizers" and would quietly ignore the speculator under beam search), then runs the
+  call in the package's own loop (`speculative_decoding.generate_speculatively`, through `generate`'s
+  `custom_generate` slot), which reads the device once per step on every supported transformers and takes batches,
+  trees and sampling keyed by position; only a call that asks for what transformers' assisted decoding alone gives
+  (`needs_transformers_loop`) runs there. Then it logs the call's metrics;
+- `_get_candidate_generator` returns an `MLPSpeculatorCandidateGenerator`, the way into transformers' loop, when the
+  assistant is an MLPSpeculator (transformers picks its candidate generator in a fixed if/elif chain).
 
 Both fall through to transformers unchanged for any other assistant. There are three ways to use them:
 `import hf_mlp_speculator` runs `install()` (unless `HF_MLP_SPECULATOR_NO_PATCH=1`), which puts them on
@@ -142,11 +141,11 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
             "sequence. Use greedy decoding or sampling (num_beams=1), or drop assistant_model."
         )
     num_assistant_tokens = generation_config.num_assistant_tokens
-    if num_assistant_tokens is not None and num_assistant_tokens < 1:
+    if num_assistant_tokens is not None and (not _is_int(num_assistant_tokens) or num_assistant_tokens < 1):
         raise ValueError(
-            f"num_assistant_tokens={num_assistant_tokens}: an MLPSpeculator drafts with its first "
-            f"num_assistant_tokens heads, so it must be between 1 and n_predict={spec_config.n_predict} (larger "
-            "values mean all heads). To decode without speculation, drop assistant_model."
+            f"num_assistant_tokens={num_assistant_tokens!r}: an MLPSpeculator drafts with its first "
+            f"num_assistant_tokens heads, so it must be a whole number between 1 and n_predict={spec_config.n_predict} "
+            "(larger values mean all heads). To decode without speculation, drop assistant_model."
         )
     lookup = generation_config.prompt_lookup_num_tokens
     if lookup is not None and (not _is_int(lookup) or lookup < 1):
@@ -159,6 +158,12 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
         raise ValueError(
             f"n_candidates={n_candidates!r}: a tree keeps that many candidate paths, so it must be a positive "
             f"integer (the speculator's own is {spec_config.n_candidates})."
+        )
+    if tree and _attends_by_alibi(model):
+        raise ValueError(
+            f"Tree candidates need a model that places each node by its position_ids under a custom 4D attention "
+            f"mask, and {type(model).__name__} derives its positions from the attention mask (ALiBi). Drop "
+            "n_candidates / top_k_tokens_per_head to draft chains, which it takes."
         )
     top_k = tree.get("top_k_tokens_per_head")
     if top_k is not None and (not isinstance(top_k, (list, tuple)) or not all(_is_int(k) and k > 0 for k in top_k)):
@@ -193,6 +198,13 @@ def check_sampling(sampling, tree: dict, rows: int) -> None:
             "speculative_sampling='rejection' runs in transformers' assisted decoding, one sequence and one chain at "
             "a time: generate one prompt at a time without n_candidates, or use the default keyed sampling."
         )
+
+
+def _attends_by_alibi(model) -> bool:
+    """Whether `model` biases attention by ALiBi (Bloom, MPT, Falcon with `alibi`), whose positions come from the
+    attention mask rather than `position_ids`."""
+    config = model.config.get_text_config()
+    return config.model_type in ("bloom", "mpt") or bool(getattr(config, "alibi", False))
 
 
 def _is_int(value) -> bool:
@@ -268,10 +280,24 @@ class MLPSpeculatorGenerationMixin:
         # Never leave a previous call's figures behind.
         speculator.speculation_metrics = speculator.speculation_metrics_per_row = None
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        embeds = kwargs.get("inputs_embeds")
+        if inputs is None and embeds is not None:
+            inputs = embeds
         rows = (1 if inputs is None else inputs.shape[0]) * (merged.num_return_sequences or 1)
         check_sampling(sampling, tree, rows)
         if not needs_transformers_loop(self, merged, kwargs, rows, tree, sampling):
+            if embeds is not None:
+                raise ValueError(
+                    f"{'A batch' if rows > 1 else 'A sampled prompt'} given as inputs_embeds: speculative decoding "
+                    "takes a prompt as inputs_embeds only in transformers' assisted decoding, one sequence at a time, "
+                    "greedy or with speculative_sampling='rejection'. Pass input_ids"
+                    + (" (with the batch's attention_mask), or generate one prompt at a time." if rows > 1 else
+                       ", or pass speculative_sampling='rejection'.")
+                )  # fmt: skip
             del kwargs["assistant_model"]
+            # transformers would take prompt lookup for its own assisted decoding (and refuse num_return_sequences
+            # with it): the loop takes it instead.
+            kwargs["prompt_lookup_num_tokens"] = None
             # `generate` hands a `custom_generate` callable neither the streamer nor the tokenizer, without which it
             # cannot build the stop-string criterion: both travel with the loop.
             stop_strings = None
@@ -280,7 +306,7 @@ class MLPSpeculatorGenerationMixin:
                 kwargs["stop_strings"] = None  # or generate() would ask for the tokenizer it keeps from the loop
             kwargs["custom_generate"] = partial(
                 generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None),
-                stop_string_criterion=stop_strings, **tree,
+                stop_string_criterion=stop_strings, lookup_tokens=merged.prompt_lookup_num_tokens, **tree,
             )  # fmt: skip
         # On CPU, each forward on packed or plain weights, whichever measured faster (see `packed_linear`).
         with adaptive_packing(self):

@@ -1,23 +1,23 @@
-"""Speculative decoding for a batch of prompts, each row accepting its own number of drafts, for draft trees, and for
-sampling.
+"""The package's speculative decoding loop: one prompt or a batch, each row accepting its own number of drafts, chains
+or trees, greedy or sampled.
 
-transformers' assisted decoding verifies one chain for one sequence. This loop is the decoding method that
-`generate(assistant_model=speculator)` runs instead (through its `custom_generate` slot) when the batch has more than
-one row, when tree candidates are asked for, or when the call samples; `generate()` still prepares the inputs, cache,
-logits processors and stopping criteria. Sampling is keyed by position (`position_noise`): every token, drafted or
-not, is the one plain decoding with the call's noise would emit, so verification is the same greedy rule as for
-greedy decoding, trees included.
+`generate(assistant_model=speculator)` runs this loop (through `generate()`'s `custom_generate` slot, so that
+`generate()` still prepares the inputs, cache, logits processors and stopping criteria) unless the call needs
+transformers' own assisted decoding (see `generation.needs_transformers_loop`). A step reads the device once, after
+the verifier: tensors stay on the device, and the host keeps each row's tokens. Sampling is keyed by position
+(`position_noise`): every token, drafted or not, is the one plain decoding with the call's noise would emit, so
+verification is the same greedy rule as for greedy decoding, trees included.
 
 Design: one rectangular KV cache for the whole batch, realigned by the attention mask alone. Every round appends the
 same slots to every row: its last emitted token and its drafts. The verifier then switches off, in the 2D attention
 mask, the slots of the drafts each row rejected, and a row's positions count only the slots it kept. So every row
 attends to exactly its own tokens at their true positions, using nothing but the `attention_mask` and `position_ids`
-that every transformers decoder takes. (Moving each row's slots in every cache layer copies the whole cache: that is
-done only now and then, below.) Slots that every row rejected are cropped off the cache, and rows
-that finish leave the batch. Once the masked slots pass `COMPACT_SHARE` of the cache, each row's kept slots move
-together (`compact`): the cache holds little more than the tokens, and later steps read no more than they need.
-Models whose sliding window counts cache slots keep only the last ones, which cannot be moved together; with masked
-slots they could see fewer real tokens than their window, so they are refused when the call could overflow it.
+that every transformers decoder takes. Slots that every row rejected are cropped off the cache (one prompt drafting
+a chain never keeps a masked slot, and runs without a mask at all), and rows that finish leave the batch. Once the
+masked slots pass `COMPACT_SHARE` of the cache, each row's kept slots move together (`compact`): the cache holds
+little more than the tokens, and later steps read no more than they need. Models whose sliding window counts cache
+slots keep only the last ones, which cannot be moved together; with masked slots they could see fewer real tokens
+than their window, so batches and trees are refused when the call could overflow it.
 
 Trees use the same slots: all candidates' nodes are verified in one forward with a 4D mask in which each node sees
 the cache and its own ancestors, at position `row position + depth`. Afterwards only the nodes on the longest
@@ -73,16 +73,20 @@ def generate_speculatively(
     n_candidates: int | None = None,
     top_k_tokens_per_head: list[int] | None = None,
     stop_string_criterion: StopStringCriteria | None = None,
+    lookup_tokens: int | None = None,
     **model_kwargs,
 ):
     """
     The decoding loop behind `generate(input_ids, assistant_model=speculator)`, for one prompt or a batch, and behind
     `generate(..., assistant_model=speculator, n_candidates=..., top_k_tokens_per_head=...)` for trees (either
     argument turns trees on; the other comes from the speculator's config). Returns what `generate()` returns.
-    `stop_string_criterion` is the one `generate()` could not build: it keeps the tokenizer from this loop.
+    `stop_string_criterion` is the one `generate()` could not build: it keeps the tokenizer from this loop;
+    `lookup_tokens`, the call's `prompt_lookup_num_tokens`, turns on hybrid drafting (kept from `generate()`, which
+    would take it for its own assisted decoding).
     """
     if stop_string_criterion is not None:
         stopping_criteria.append(stop_string_criterion)
+    generation_config.prompt_lookup_num_tokens = lookup_tokens  # generate()'s own copy of the config
     config = speculator.config
     num_heads = min(config.n_predict, generation_config.num_assistant_tokens or config.n_predict)
     tree = None

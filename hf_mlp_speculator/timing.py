@@ -5,8 +5,11 @@ each verifier forward emitted (a streamer sees one chunk per forward), never fro
 """
 
 import argparse
+import os
+import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +29,31 @@ WARMUP_TOKENS = 8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNTRAINED = "untrained"
+
+
+def machine_description() -> str:
+    """
+    The machine a measurement ran on, in one line: the CPU's model, its cores, the matrix instructions that decide
+    which kind of weights is faster here (AVX-512, its BF16 extension, AMX), and the GPU if there is one.
+    """
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", "x86_64", platform.machine()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux: the model name alone
+        pass
+    features = [name for name, flag in (("AVX-512", "avx512f"), ("AVX-512 BF16", "avx512_bf16"),
+                                        ("AMX", "amx_tile")) if flag in flags]  # fmt: skip
+    if flags and "amx_tile" not in flags:
+        features.append("no AMX")
+    line = f"CPU: {model}, {os.cpu_count()} cores" + (f", {', '.join(features)}" if features else "")
+    if torch.cuda.is_available():
+        line += f"; GPU: {torch.cuda.get_device_name()}"
+    return line + f"; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def positive_int(text: str) -> int:

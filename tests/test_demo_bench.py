@@ -23,7 +23,7 @@ from hf_mlp_speculator.bench import (
 )
 from hf_mlp_speculator.training.documents import left_padded
 from hf_mlp_speculator.modeling_mlp_speculator import MLPSpeculator
-from hf_mlp_speculator.timing import GenerationRun, load_pair, token_latencies
+from hf_mlp_speculator.timing import GenerationRun, load_pair, machine_description, token_latencies
 
 
 @pytest.fixture
@@ -150,14 +150,14 @@ def run_bench(tiny_pair, output_dir, *flags, results="bench.json") -> list[dict]
 def test_bench_end_to_end(tiny_pair, tmp_path, clock, prompt_set):
     results = run_bench(tiny_pair, tmp_path, "--num-prompts", "2", "--prompt-set", prompt_set)
     rows = {row["mode"]: row for row in results}
-    assert list(rows) == ["plain greedy", "plain greedy, fast CPU path", "prompt lookup", "speculator k=1",
+    assert list(rows) == ["plain greedy", "plain greedy, faster weights", "prompt lookup", "speculator k=1",
                           "speculator k=2", "speculator k=3",
                           "hybrid (speculator + prompt lookup)", "speculator tree [2, 2, 2] n=5", "plain sampling",
                           "speculative sampling k=3"]  # fmt: skip
     assert rows["speculator tree [2, 2, 2] n=5"]["identical_to_baseline"] is True
     assert rows["hybrid (speculator + prompt lookup)"]["identical_to_baseline"] is True
     assert rows["plain greedy"]["speedup"] == 1.0 and rows["plain greedy"]["tokens_per_step"] == 1.0
-    assert rows["plain greedy, fast CPU path"]["identical_to_baseline"] is True
+    assert rows["plain greedy, faster weights"]["identical_to_baseline"] is True
     for k in (1, 2, 3):
         row = rows[f"speculator k={k}"]
         # Lossless: every head count reproduces plain greedy decoding (tiny models never emit an end token).
@@ -230,9 +230,10 @@ def test_demo_end_to_end(tiny_pair, capsys, clock):
     assert "Speculative metrics: Draft acceptance rate:" in out and "Per-head acceptance rate: [" in out
     # Forwards of 1 s: plain decoding runs at 1 token/s, and the speedup is the tokens per verifier forward.
     assert "Without speculation:    1.0 toks/s (10 tokens in 10.0 s)" in out
-    assert "Fast CPU path:          1.0 toks/s (10 tokens in 10.0 s, plain generate() on packed weights" in out
+    assert "Faster weights:         1.0 toks/s (10 tokens in 10.0 s, plain generate() on packed or plain weights" in out
     tokens_per_forward = re.search(r"([\d.]+) tokens per verifier forward", out).group(1)
-    assert f"Speedup: {tokens_per_forward}x over plain generate(), {tokens_per_forward}x over the fast CPU path" in out
+    assert f"Speedup: {tokens_per_forward}x over plain generate(), {tokens_per_forward}x over it on the faster" in out
+    assert machine_description() in out and "CPU: " in out
     # Off a terminal, progress comes as plain lines, not a bar's carriage returns; it counts tokens: 2 prompts x 5
     # tokens in each run, at the speed of the run so far (1 token/s by the clock).
     assert "\r" not in err

@@ -11,7 +11,7 @@ from conftest import ARCHITECTURES, HIDDEN, VOCAB, make_prompt, make_speculator,
 from test_batched_decoding import ragged_batch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from tiny_tokenizer import char_tokenizer
-from transformers import GenerationConfig
+from transformers import BloomConfig, BloomForCausalLM, GenerationConfig
 
 from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, cli
 
@@ -122,7 +122,8 @@ def test_resize_vocab_keeps_ties_and_never_drafts_a_padded_id(tmp_path):
 def test_batch_of_inputs_embeds():
     verifier, prompts = make_verifier(), torch.cat([make_prompt(seed=1), make_prompt(seed=2)])
     embeds = verifier.get_input_embeddings()(prompts)
-    with pytest.raises(ValueError, match=r"needs the batch as input_ids .* a batch of 2 came as inputs_embeds"):
+    with pytest.raises(ValueError, match=r"A batch given as inputs_embeds: .* Pass input_ids \(with the batch's "
+                                         r"attention_mask\), or generate one prompt at a time\."):
         verifier.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(prompts), max_new_tokens=4,
                           assistant_model=make_speculator())  # fmt: skip
 
@@ -169,12 +170,12 @@ def test_speculator_on_the_meta_device_is_refused():
         make_verifier().generate(make_prompt(), max_new_tokens=4, assistant_model=speculator)
 
 
-@pytest.mark.parametrize("num_assistant_tokens", [0, -1])
+@pytest.mark.parametrize("num_assistant_tokens", [0, -1, 2.0])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_num_assistant_tokens_below_one_is_refused(num_assistant_tokens, batch):
-    """0 would silently mean all heads, and a negative count would silently turn drafting off."""
+    """0 would silently mean all heads, a negative count would silently turn drafting off, and 2.0 is no count."""
     prompt = make_prompt().repeat(batch, 1)
-    refused = rf"num_assistant_tokens={num_assistant_tokens}: .* between 1 and n_predict=3"
+    refused = rf"num_assistant_tokens={num_assistant_tokens}: .* a whole number between 1 and n_predict=3"
     with pytest.raises(ValueError, match=refused):
         make_verifier().generate(prompt, max_new_tokens=4, num_assistant_tokens=num_assistant_tokens,
                                  assistant_model=make_speculator())  # fmt: skip
@@ -198,6 +199,42 @@ def test_bad_generate_options_are_refused(kwargs, message, batch):
     prompt = make_prompt().repeat(batch, 1)
     with pytest.raises(ValueError, match=message):
         make_verifier().generate(prompt, max_new_tokens=4, assistant_model=make_speculator(), **kwargs)
+
+
+def test_trees_on_an_alibi_model_are_refused_and_chains_run():
+    torch.manual_seed(0)
+    verifier = BloomForCausalLM(BloomConfig(hidden_size=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB)).eval()
+    verifier.generation_config.assistant_confidence_threshold = 0.0
+    prompt, speculator = make_prompt(), make_speculator()
+    with pytest.raises(ValueError, match=r"Tree candidates need a model that places each node by its position_ids .* "
+                                         r"BloomForCausalLM derives its positions from the attention mask \(ALiBi\)"):
+        verifier.generate(prompt, max_new_tokens=4, assistant_model=speculator, n_candidates=3)
+    expected = verifier.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(verifier.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=speculator),
+                       expected)  # fmt: skip
+
+
+def test_a_sampled_prompt_as_inputs_embeds_points_to_its_two_ways():
+    verifier, prompt = make_verifier(), make_prompt()
+    embeds = verifier.get_input_embeddings()(prompt)
+    with pytest.raises(ValueError, match=r"A sampled prompt given as inputs_embeds: .* Pass input_ids, or pass "
+                                         r"speculative_sampling='rejection'\."):
+        verifier.generate(inputs_embeds=embeds, max_new_tokens=4, do_sample=True, assistant_model=make_speculator())
+    torch.manual_seed(0)  # both ways run
+    verifier.generate(inputs_embeds=embeds, max_new_tokens=4, do_sample=True, assistant_model=make_speculator(),
+                      speculative_sampling="rejection")  # fmt: skip
+    verifier.generate(prompt, max_new_tokens=4, do_sample=True, assistant_model=make_speculator())
+
+
+def test_several_sampled_sequences_with_prompt_lookup_run():
+    """transformers refuses num_return_sequences with its own prompt lookup; the package's loop takes both."""
+    verifier, prompt = make_verifier(), make_prompt()
+    kwargs = dict(max_new_tokens=16, do_sample=True, num_return_sequences=2, assistant_model=make_speculator(),
+                  prompt_lookup_num_tokens=3)  # fmt: skip
+    torch.manual_seed(4)
+    first = verifier.generate(prompt, **kwargs)
+    torch.manual_seed(4)
+    assert first.shape == (2, 28) and torch.equal(verifier.generate(prompt, **kwargs), first)
 
 
 @pytest.mark.parametrize("options", [dict(n_candidates=2), dict(num_return_sequences=2)])

@@ -62,7 +62,7 @@ def test_wrong_row_would_be_caught(loop, monkeypatch):
     else:
 
         class LastRow(MLPSpeculatorCandidateGenerator):
-            def get_candidates(self, input_ids, n_last_matches=0, **kwargs):
+            def get_candidates(self, input_ids, *, n_last_matches, **kwargs):
                 return super().get_candidates(input_ids, n_last_matches=self.num_drafted, **kwargs)
 
         monkeypatch.setattr(generation, "MLPSpeculatorCandidateGenerator", LastRow)
