@@ -3,8 +3,8 @@
 For each batch size, the evaluation prompts (never trained on) run in batches of that size, plain and speculative
 taking turns batch by batch, after a warm-up at each size that pays the one-time costs of the process (packing the
 weights, the first timings of each depth and kind of weights); with `--first-call` only plain decoding is warmed up,
-and the speculative calls are timed from the process's first. Prints the speedup (plain seconds / speculative seconds), whether every
-output was identical, and the depths the controller chose.
+and the speculative calls are timed from the process's first. Prints the speedup (plain seconds / speculative
+seconds), whether every output was identical, and the depths the controller chose.
 
     python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64
     python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8 --first-call
@@ -80,7 +80,8 @@ def main():
         print(
             f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x "
             f"(plain {seconds['plain']:.1f} s, speculative {seconds['speculative']:.1f} s, {len(batches)} batches), "
-            f"identical: {'n/a (sampled)' if args.temperature is not None else 'yes' if same else 'NO'}, tokens/step {metrics.mean_tokens_per_step:.2f}, "
+            f"identical: {'n/a (sampled)' if args.temperature is not None else 'yes' if same else 'NO'}, "
+            f"tokens/step {metrics.mean_tokens_per_step:.2f}, "
             f"steps by k {metrics.steps_by_depth}, verify ms by k "
             f"{ {k: round(s * 1000, 1) for k, s in metrics.mean_verify_seconds.items()} }",
             flush=True,

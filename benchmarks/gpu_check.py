@@ -1,7 +1,7 @@
 """The device check: what speculative decoding costs and brings on a GPU, in one command, with nothing downloaded.
 
     python benchmarks/gpu_check.py --out "$OUT"              # on the device: about 6 minutes on an H200
-    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu  # the same sections, tiny shapes on the CPU, under a minute
+    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu  # every section, tiny shapes on the CPU, under a minute
 
 Each section is added to `--out`/gpu_check.json and gpu_check.md as soon as it ends, so that a run cut short keeps
 what it measured. Times on CUDA are taken with CUDA events, or a synchronize around a whole call.
@@ -250,7 +250,8 @@ def train_speculator(base, work: Path, minutes: float, inner: int, dtype_name: s
 def held_out_prompts(batch: int, device) -> torch.Tensor:
     """Letter prompts the trainer never saw (another seed), as token ids."""
     tokenizer = tokenizer_for(96)
-    return torch.tensor([tokenizer(text).input_ids for text in letter_prompts(batch, seed=1000 + batch)], device=device)
+    texts = letter_prompts(batch, seed=1000 + batch)
+    return torch.tensor([tokenizer(text).input_ids for text in texts], device=device)
 
 
 def end_to_end(base, speculator, profile: dict, batch: int, new_tokens: int, device, **kwargs) -> dict:
@@ -297,7 +298,8 @@ def markdown(results: dict) -> str:
         lines += ["", "## The loop at forced depths (random speculator: every draft rejected)", "",
                   "A step's time in plain `generate()` steps, and its loop efficiency (the profile's verify of k + 1 "
                   "tokens and k heads over the step's measured time).", "",
-                  "| base | batch | plain generate() step ms | " + " | ".join(f"k={k}" for k in range(HEADS + 1)) + " |",
+                  "| base | batch | plain generate() step ms | "
+                  + " | ".join(f"k={k}" for k in range(HEADS + 1)) + " |",
                   "|---|---:|---:|" + "---|" * (HEADS + 1)]  # fmt: skip
         for row in results["loop"]:
             cells = [f"{d['plain_steps']:.2f} plain, {d['efficiency']:.2f} eff." for d in row["depths"].values()]

@@ -58,7 +58,8 @@ def main() -> None:
         index = torch.arange(rows)
         times = {"float32": [], "bfloat16": []}
         for _ in range(args.repeats):
-            for name, heads, hidden in (("float32", fp32, states[index]), ("bfloat16", bf16, states[index].bfloat16())):
+            runs = (("float32", fp32, states[index]), ("bfloat16", bf16, states[index].bfloat16()))
+            for name, heads, hidden in runs:
                 start = time.perf_counter()
                 head_chain(heads, hidden, tokens[index], depth)
                 times[name].append((time.perf_counter() - start) / depth)

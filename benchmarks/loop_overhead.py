@@ -221,10 +221,11 @@ def main(argv=None) -> None:
             print(f"\n## batch {rows}: plain generate() step {median(lambda p, b, s: p[0]) * 1000:.2f} ms, of which "
                   f"{median(lambda p, b, s: p[1]) * 1000:.2f} ms outside the forward: {plain_ops:.0f} operations, "
                   f"{plain_reads:.1f} host reads; bare forward over 1 / 5 tokens "
-                  f"{median(lambda p, b, s: b[1] / p[0]):.2f} / {median(lambda p, b, s: b[5] / p[0]):.2f} plain steps, "
+                  f"{median(lambda p, b, s: b[1] / p[0]):.2f} / "
+                  f"{median(lambda p, b, s: b[5] / p[0]):.2f} plain steps, "
                   f"one head {median(lambda p, b, s: b['head'] / p[0]):.3f} (medians of {args.repeats} rounds)\n")
-            print("| loop | k | step, plain steps | beyond plain step's host time, plain steps | beyond its forward and "
-                  "heads, plain steps | loop efficiency | operations / step | host reads / step |\n"
+            print("| loop | k | step, plain steps | beyond plain step's host time, plain steps | beyond its forward "
+                  "and heads, plain steps | loop efficiency | operations / step | host reads / step |\n"
                   "|---|---:|---:|---:|---:|---:|---:|---:|")
             for loop, depth in configs:
                 step = median(lambda p, b, s: s[loop, depth][0] / p[0])

@@ -47,7 +47,8 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         eos = generation_config.eos_token_id
         self.eos_token_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         kind = "chain, sampled" if self.do_sample else "chain, greedy"
-        self.drafter = Drafter(verifier if verifier is not None else speculator, speculator, generation_config, 1, kind)
+        verifier = verifier if verifier is not None else speculator
+        self.drafter = Drafter(verifier, speculator, generation_config, 1, kind)
         self.metrics = self.drafter.metrics[0]
         # Ask the verifier for its last layer only, unless the user asked for all layers: replacing their request
         # would break the per-token split of `hidden_states` in the output.
@@ -133,8 +134,9 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             return
         self.drafter.stop_verify(self.step, self.verify_mark)
         num_matches = int(num_matches)  # an int from transformers 5.18 or so on; a tensor, read here, before
-        self.drafter.end_step(self.step, [0], [self.num_drafted], [num_matches], [num_matches + 1], self.confidences,
-                              [self.nonfinite], self.num_drafted + 1, [self.drafts], emitted and [emitted])  # fmt: skip
+        self.drafter.end_step(self.step, [0], [self.num_drafted], [num_matches], [num_matches + 1],
+                              self.confidences, [self.nonfinite], self.num_drafted + 1, [self.drafts],
+                              emitted and [emitted])  # fmt: skip
         # transformers has read the verifier's output to count the matches: its forward is done, waiting costs nothing.
         self.drafter.stopwatch.poll(wait=True)
         self.drafter.controller.report_to(self.metrics)

@@ -48,8 +48,8 @@ class Drafter:
         self.threshold = generation_config.assistant_confidence_threshold or 0.0
         self.hybrid = HybridDrafter.for_call(rows, generation_config)
         self.controller = SpeculationController(
-            lambda batch: cost_model_for(verifier, batch), acceptance_for(speculator, kind), self.num_heads, new_tokens,
-            generation_config.num_assistant_tokens_schedule,
+            lambda batch: cost_model_for(verifier, batch), acceptance_for(speculator, kind), self.num_heads,
+            new_tokens, generation_config.num_assistant_tokens_schedule,
         )  # fmt: skip
         self.stopwatch = Stopwatch(verifier.device)
         self.metrics = [SpeculationMetrics(num_speculative_tokens=self.num_heads) for _ in range(rows)]
@@ -97,7 +97,8 @@ class Drafter:
             drafts = draft_chain(self.heads, hidden, last_tokens, limits, depth, process, select, self.threshold)
         timing, controller_step = self.stopwatch.stop(mark), step.step
         if depth:
-            self.stopwatch.report(timing, lambda seconds: self.controller.record_drafts(controller_step, depth, seconds))
+            record = self.controller.record_drafts
+            self.stopwatch.report(timing, lambda seconds: record(controller_step, depth, seconds))
         if tree is None and depth > 1 and self.controller.cuts:
             drafts = drafts.cut(self.controller.chain_end(*to_host(drafts.confidences, drafts.limits)))
         if self.hybrid is not None and not all(speculator_rows):

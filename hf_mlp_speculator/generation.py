@@ -144,7 +144,8 @@ def check_speculator_fits(model, speculator: MLPSpeculatorPreTrainedModel, gener
     if num_assistant_tokens is not None and (not _is_int(num_assistant_tokens) or num_assistant_tokens < 1):
         raise ValueError(
             f"num_assistant_tokens={num_assistant_tokens!r}: an MLPSpeculator drafts with its first "
-            f"num_assistant_tokens heads, so it must be a whole number between 1 and n_predict={spec_config.n_predict} "
+            f"num_assistant_tokens heads, so it must be a whole number between 1 and "
+            f"n_predict={spec_config.n_predict} "
             "(larger values mean all heads). To decode without speculation, drop assistant_model."
         )
     lookup = generation_config.prompt_lookup_num_tokens
@@ -242,7 +243,8 @@ def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: d
     if generation_config.do_sample:
         return sampling == "rejection"
     generate_parameters = set(inspect.signature(_STOCK["generate"]).parameters) | _CALL_ARGUMENTS
-    model_inputs = [name for name in kwargs if name not in generate_parameters and not hasattr(generation_config, name)]
+    model_inputs = [name for name in kwargs
+                    if name not in generate_parameters and not hasattr(generation_config, name)]  # fmt: skip
     return (
         any(getattr(generation_config, name) for name in _OUTPUTS)
         or kwargs.get("inputs_embeds") is not None

@@ -555,15 +555,15 @@ def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes, tr
         raise ValueError(
             f"A static cache serves one sequence drafting chains, and this call has "
             f"{f'{rows} sequences' if rows > 1 else 'tree candidates'}: the rows' rejected drafts would take slots it "
-            "cannot free. Drop cache_implementation / the cache argument (a DynamicCache serves batches and trees), or "
-            "generate one prompt at a time without n_candidates."
+            "cannot free. Drop cache_implementation / the cache argument (a DynamicCache serves batches and trees), "
+            "or generate one prompt at a time without n_candidates."
         )
     cached = int(cache.get_seq_length())  # read once: a static cache counts on the device
     if cached >= prompt_length:
         raise ValueError(
-            f"The cache passed to generate() already holds {cached} tokens, and the prompt has {prompt_length}: a cache "
-            "must hold a prefix of the prompt and leave at least its last token to compute. Pass a copy of the cache "
-            "made before the prompt's last token (copy.deepcopy(prompt_cache)), or no cache."
+            f"The cache passed to generate() already holds {cached} tokens, and the prompt has {prompt_length}: a "
+            "cache must hold a prefix of the prompt and leave at least its last token to compute. Pass a copy of the "
+            "cache made before the prompt's last token (copy.deepcopy(prompt_cache)), or no cache."
         )
     window = getattr(model.config.get_text_config(), "sliding_window", None)
     worst_case = prompt_length + (generation_config.max_length - prompt_length) * (num_nodes + 1)

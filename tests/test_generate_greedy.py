@@ -1,6 +1,5 @@
 """Greedy speculative decoding is token-identical to plain greedy decoding."""
 
-import re
 
 import pytest
 import torch

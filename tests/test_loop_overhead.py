@@ -1,4 +1,4 @@
-"""What the decoding loop costs the host around the verifier's forward: operations dispatched and device reads per step.
+"""What the decoding loop costs the host around the verifier's forward: operations dispatched per step.
 
 On a GPU, HF eager decoding is bound by the host launching kernels: each tensor operation the loop adds around the
 verifier's forward costs a launch (or a view's dispatch), whatever the model's size. So the loop's cost is counted here

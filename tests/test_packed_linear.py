@@ -1,6 +1,6 @@
-"""Packed oneDNN linears compute what nn.Linear computes, speculative greedy output stays identical, each forward runs on
-the kind of weights that measured faster on this machine, and a torch whose private ops are missing, fail or compute
-wrongly decodes on the plain weights."""
+"""Packed oneDNN linears compute what nn.Linear computes, speculative greedy output stays identical, each forward runs
+on the kind of weights that measured faster on this machine, and a torch whose private ops are missing, fail or
+compute wrongly decodes on the plain weights."""
 
 import logging
 import time
@@ -91,11 +91,11 @@ def test_each_forward_runs_on_the_weights_that_measured_faster(monkeypatch, lose
     verifier, prompt, speculator = make_verifier(), make_prompt(), make_speculator()
     expected = verifier.generate(prompt, max_new_tokens=60, do_sample=False)
     forwards = []  # (new tokens per row, kind of weights) of each forward
-    verifier.register_forward_hook(
-        lambda module, args, kwargs, output: forwards.append(((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape[1],
-                                                              type(module.lm_head).__name__)),
-        with_kwargs=True,
-    )  # fmt: skip
+    def record(module, args, kwargs, output):
+        tokens = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        forwards.append((tokens.shape[1], type(module.lm_head).__name__))
+
+    verifier.register_forward_hook(record, with_kwargs=True)
     if speculative:
         output = verifier.generate(prompt, max_new_tokens=60, do_sample=False, assistant_model=speculator)
     else:

@@ -18,7 +18,8 @@ def prompts_and_cache(verifier, rows: int):
     attention_mask[1:, :3] = 0
     cache = DynamicCache(config=verifier.config)
     with torch.no_grad():
-        verifier(input_ids[:, :CACHED], attention_mask=attention_mask[:, :CACHED], past_key_values=cache, use_cache=True)
+        verifier(input_ids[:, :CACHED], attention_mask=attention_mask[:, :CACHED], past_key_values=cache,
+                 use_cache=True)  # fmt: skip
     return input_ids, attention_mask, cache
 
 
@@ -54,7 +55,7 @@ def test_a_seeded_sampled_call_gives_the_same_tokens_with_a_prefix_cache(rows):
 def test_a_cache_holding_the_whole_prompt_is_refused():
     verifier, speculator = make_verifier(), make_speculator()
     input_ids, attention_mask, cache = prompts_and_cache(verifier, 1)
-    with pytest.raises(ValueError, match=r"already holds 12 tokens, and the prompt has 12: a cache must hold a prefix"):
+    with pytest.raises(ValueError, match=r"already holds 12 tokens, and the prompt has 12: a cache must hold"):
         verifier.generate(input_ids[:, :CACHED], past_key_values=cache, max_new_tokens=4, assistant_model=speculator)
 
 
