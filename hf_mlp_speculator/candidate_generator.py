@@ -125,6 +125,8 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        if not self.in_prefill:
+            self.drafter.stop_verify(self.step, self.verify_mark)
         emitted = None
         if self.drafter.hybrid is not None:  # lookup reads the text on the host: the one read of the device it adds
             emitted = input_ids[0, len(self.host_tokens) :].tolist()
@@ -132,7 +134,6 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         if self.in_prefill:
             self.in_prefill = False
             return
-        self.drafter.stop_verify(self.step, self.verify_mark)
         num_matches = int(num_matches)  # an int from transformers 5.18 or so on; a tensor, read here, before
         self.drafter.end_step(self.step, [0], [self.num_drafted], [num_matches], [num_matches + 1],
                               self.confidences, [self.nonfinite], self.num_drafted + 1, [self.drafts],

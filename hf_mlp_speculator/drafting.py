@@ -143,6 +143,8 @@ def draft_tree(
     `limits[b]` drafts deep in row `b` (`depth` where None). A row whose head gives non-finite logits keeps the drafts
     before that head.
     """
+    if not depth:
+        return plain_step(last_tokens)
     rows = hidden.shape[0]
     state = heads.input_state(hidden)[:, None]
     token = last_tokens[:, None].to(state.device)

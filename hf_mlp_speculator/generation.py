@@ -236,7 +236,8 @@ def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: d
     (`speculative_decoding`), which reads the device once per step on every transformers release (transformers'
     loop reads it once per cache layer per step before 5.18). transformers' loop takes one sequence and a chain, and
     is what gives `speculative_sampling="rejection"`, per-token scores, logits, attentions or hidden states, a prompt
-    given as `inputs_embeds`, a cache other than a dynamic or plain static one, and model inputs besides the tokens.
+    given as `inputs_embeds`, a cache other than a dynamic or plain static one (a sliding-window model's static cache,
+    a sliding cache that already holds tokens), and model inputs besides the tokens.
     """
     if tree or rows > 1:
         return False
@@ -245,11 +246,16 @@ def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: d
     generate_parameters = set(inspect.signature(_STOCK["generate"]).parameters) | _CALL_ARGUMENTS
     model_inputs = [name for name in kwargs
                     if name not in generate_parameters and not hasattr(generation_config, name)]  # fmt: skip
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    sliding = any(DynamicCache(config=model.config).is_sliding)
     return (
         any(getattr(generation_config, name) for name in _OUTPUTS)
         or kwargs.get("inputs_embeds") is not None
         or generation_config.cache_implementation not in (None, "dynamic", "static")
-        or cache_kind(kwargs.get("past_key_values", kwargs.get("cache")) or DynamicCache()) is None
+        # A sliding-window model's static cache slides; a sliding cache given with tokens in it cannot be swapped for
+        # one that keeps every slot (see `speculative_decoding._take_cache`): transformers' loop takes both.
+        or (generation_config.cache_implementation == "static" and sliding)
+        or (cache is not None and (cache_kind(cache) is None or (any(cache.is_sliding) and cache.get_seq_length())))
         or bool(model_inputs)
     )
 

@@ -55,6 +55,8 @@ _PACKED: dict[int, tuple] = {}
 # model -> its `PackingChoice`; weakly keyed, so that a new model never inherits the timings of a freed one that lived
 # at the same address.
 _CHOICES = weakref.WeakKeyDictionary()
+# The models inside `adaptive_packing` now.
+_ACTIVE = weakref.WeakSet()
 # Forwards of each kind a shape runs before the two are compared, and how many recent ones the comparison reads.
 TRIALS, WINDOW = 3, 16
 # One forward in this many, per shape, runs the kind that measured slower, so that a change of the machine shows.
@@ -200,20 +202,19 @@ def adaptive_packing(model: nn.Module):
     measured faster (`PackingChoice`, kept for the model's lifetime); elsewhere, or where packing is unavailable or
     disagrees with the plain weights (checked once per model), nothing changes. On leaving, the model is as it was.
     """
-    if not _agrees(model):  # also False, and silent, for a model that is no fp32 CPU model
+    # Asked each time: the model may have moved to another device or dtype since it was last checked. Inside an
+    # outer `adaptive_packing` of the same model, the outer one chooses.
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    if model in _ACTIVE or not (linears and _packable(model) and _agrees(model)):
         yield model
         return
     choice = _CHOICES.setdefault(model, PackingChoice())
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
-    for module in linears:
-        module.packed_weight = _packed_copy(module.weight)
-    state = {"packed": False}
+    state = {}
 
     def set_packed(packed: bool) -> None:
-        if packed != state["packed"]:
+        if packed != (type(linears[0]) is PackedLinear):
             for module in linears:
                 module.__class__ = PackedLinear if packed else nn.Linear
-            state["packed"] = packed
 
     def before(module, args, kwargs):
         inputs = kwargs.get("input_ids", args[0] if args else None)
@@ -223,13 +224,18 @@ def adaptive_packing(model: nn.Module):
         state["start"] = time.perf_counter()
 
     def after(module, args, kwargs, output):
-        choice.record(state["shape"], state["packed"], time.perf_counter() - state["start"])
+        choice.record(state["shape"], type(linears[0]) is PackedLinear, time.perf_counter() - state["start"])
 
-    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
-             model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+    hooks = []
+    _ACTIVE.add(model)
     try:
+        for module in linears:
+            module.packed_weight = _packed_copy(module.weight)
+        hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+                 model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
         yield model
     finally:
+        _ACTIVE.discard(model)
         for hook in hooks:
             hook.remove()
         set_packed(False)

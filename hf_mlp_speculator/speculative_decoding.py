@@ -134,7 +134,8 @@ class SpeculativeBatch:
         # Sampling keyed by position (see `position_noise`): the seed is drawn here, once, from torch's generator.
         self.noise = PositionNoise(speculator.config.vocab_size, self.device) if generation_config.do_sample else None
         if tree:  # a tree of depth d verifies its root and up to n_candidates nodes per depth
-            num_heads = min(speculator.config.n_predict, generation_config.num_assistant_tokens or tree[1])
+            n_predict = speculator.config.n_predict
+            num_heads = min(n_predict, generation_config.num_assistant_tokens or n_predict)
             widths = [min(tree[1], math.prod(tree[0][:depth])) for depth in range(1, num_heads + 1)]
             new_tokens = lambda depth: 1 + sum(widths[:depth])  # noqa: E731
         else:
@@ -319,6 +320,8 @@ class SpeculativeBatch:
             tokens, accepted, kept, finished, best, *step_values
         )
         accepted = accepted or [0] * len(tokens)  # a plain step accepts nothing
+        if drafts is not None and drafts.tree is not None:  # no single confidence: one bin holds each depth's rate
+            confidences = [[0.5] * self.drafter.num_heads for _ in limits]
         emitted = []
         for i, (row, row_tokens) in enumerate(zip(self.host_rows, tokens)):
             row_tokens = row_tokens[: accepted[i] + 1 if kept is None else kept[i]]
@@ -458,9 +461,15 @@ class SpeculativeBatch:
         speculator.speculation_metrics.cache_slots = self.peak_slots
         width = max(map(len, self.host_tokens))
         output = torch.tensor([row + [self.pad] * (width - len(row)) for row in self.host_tokens], device=self.device)
-        if self.generation_config.return_dict_in_generate:
+        if not self.generation_config.return_dict_in_generate:
+            return output
+        if len(self.host_tokens) > 1:  # rows' caches hold masked slots where they advanced apart: not one to reuse
             return GenerateDecoderOnlyOutput(sequences=output)
-        return output
+        # One sequence: the cache holds its tokens but the last, as plain generate() returns it, once the drafts kept
+        # past an end-of-sequence token are dropped.
+        drop_last_slots(self.cache, self.width - (width - 1))
+        name = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+        return GenerateDecoderOnlyOutput(sequences=output, **{name: self.cache})
 
 
 def _accept_greedy(drafts: Drafts, targets: torch.LongTensor):
@@ -547,9 +556,12 @@ def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes, tr
     rows, prompt_length = input_ids.shape
     kind = cache_kind(cache)
     if kind is None:
+        sliding = " with sliding-window layers" * any(getattr(cache, "is_sliding", []))
         raise ValueError(
             f"Speculative decoding rewinds the cache past rejected drafts, which it can do to a DynamicCache or a "
-            f"plain StaticCache, not to a {type(cache).__name__}. Drop cache_implementation / the cache argument."
+            f"StaticCache without sliding-window layers, not to a {type(cache).__name__}{sliding}, in a batch, a "
+            "tree or a sampled call. Drop cache_implementation / the cache argument, or generate one prompt at a "
+            "time, greedily and without n_candidates."
         )
     if kind == "static" and (rows > 1 or tree):
         raise ValueError(

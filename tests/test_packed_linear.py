@@ -188,3 +188,19 @@ def test_fast_cpu_decoding_for_plain_generate(monkeypatch):
     with fast_cpu_decoding(other):
         other.generate(prompt, max_new_tokens=4, do_sample=False)
     assert set(kinds) == {"Linear"}
+
+
+def test_nested_and_moved_models(monkeypatch):
+    """Speculative `generate()` inside `fast_cpu_decoding` (the outer context chooses), and a model moved to another
+    dtype after a packed call (checked again: float64 is no model for packing)."""
+    monkeypatch.setattr(generation, "adaptive_packing", adaptive_packing)  # conftest turns it off
+    verifier, prompt, speculator = make_verifier(), make_prompt(), make_speculator()
+    expected = verifier.generate(prompt, max_new_tokens=6, do_sample=False)
+    with fast_cpu_decoding(verifier):
+        assert torch.equal(verifier.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=speculator),
+                           expected)  # fmt: skip
+        assert torch.equal(verifier.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+    assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
+    verifier.to(torch.float64)
+    verifier.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=speculator.to(torch.float64))
+    assert not any(isinstance(m, PackedLinear) for m in verifier.modules())

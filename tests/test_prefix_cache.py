@@ -1,5 +1,6 @@
-"""A cache that already holds part of the prompt (a system prompt, a chat's earlier turns): only the rest is computed,
-and the output is what plain `generate()` gives with the same cache, and what it gives without one."""
+"""Caches a call is given or gives back. A cache that already holds part of the prompt (a system prompt, a chat's
+earlier turns): only the rest is computed, and the output is what plain `generate()` gives with the same cache, and
+what it gives without one. One sequence's cache comes back for the next turn; sliding-window models' caches."""
 
 import copy
 
@@ -62,11 +63,7 @@ def test_a_cache_holding_the_whole_prompt_is_refused():
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_one_prompt_on_a_sliding_window_model_runs_past_its_window(do_sample):
     """One chain leaves no masked slot: a sliding-window model decodes past its window, greedy and sampled."""
-    torch.manual_seed(0)
-    verifier = ARCHITECTURES["mistral"]()
-    verifier.config.sliding_window = 16
-    verifier.eval()
-    prompt, speculator = make_prompt(12), make_speculator()
+    verifier, prompt, speculator = sliding_model(window=16), make_prompt(12), make_speculator()
     kwargs = dict(max_new_tokens=40, do_sample=do_sample)
     torch.manual_seed(3)
     output = verifier.generate(prompt, assistant_model=speculator, **kwargs)
@@ -76,3 +73,43 @@ def test_one_prompt_on_a_sliding_window_model_runs_past_its_window(do_sample):
     else:
         expected = verifier.generate(prompt, **kwargs)
     assert output.shape[1] == 52 and torch.equal(output, expected)
+
+
+def test_one_sequence_gets_its_cache_back_for_a_second_turn():
+    """`return_dict_in_generate` returns the cache at batch 1, as plain `generate()` does: the sequence's tokens but the
+    last (drafts kept past the end dropped), ready for the next turn."""
+    verifier, prompt, speculator = make_verifier(), make_prompt(20), make_speculator()
+    kwargs = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+    plain = verifier.generate(prompt, **kwargs)
+    speculative = verifier.generate(prompt, assistant_model=speculator, **kwargs)
+    (name, cache), (_, expected) = list(speculative.items())[-1], list(plain.items())[-1]
+    assert name in ("cache", "past_key_values") and cache.get_seq_length() == expected.get_seq_length() == 35
+    turn = torch.cat([plain.sequences, make_prompt(5, seed=9)], dim=1)
+    assert torch.equal(verifier.generate(turn, max_new_tokens=8, do_sample=False, past_key_values=cache,
+                                         assistant_model=speculator),
+                       verifier.generate(turn, max_new_tokens=8, do_sample=False, past_key_values=expected))  # fmt: skip
+
+
+def sliding_model(window: int | None = None):
+    torch.manual_seed(0)
+    verifier = ARCHITECTURES["mistral"]()
+    if window is not None:
+        verifier.config.sliding_window = window
+    return verifier.eval()
+
+
+def test_a_sliding_window_model_with_a_static_cache_or_a_sliding_prefix_cache():
+    """A sliding model's static cache slides, and a sliding cache that holds tokens cannot be traded for one that keeps
+    every slot: one greedy prompt runs them in transformers' loop, identical to plain."""
+    verifier, prompt, speculator = sliding_model(), make_prompt(20), make_speculator()
+    kwargs = dict(max_new_tokens=10, do_sample=False, cache_implementation="static")
+    expected = verifier.generate(prompt, **kwargs)
+    assert torch.equal(verifier.generate(prompt, assistant_model=speculator, **kwargs), expected)
+    verifier = sliding_model(window=16)
+    cache = DynamicCache(config=verifier.config)
+    with torch.no_grad():
+        verifier(prompt[:, :CACHED], past_key_values=cache, use_cache=True)
+    kwargs = dict(max_new_tokens=30, do_sample=False)
+    expected = verifier.generate(prompt, past_key_values=copy.deepcopy(cache), **kwargs)
+    output = verifier.generate(prompt, past_key_values=copy.deepcopy(cache), assistant_model=speculator, **kwargs)
+    assert output.shape[1] == 50 and torch.equal(output, expected)

@@ -88,3 +88,15 @@ def test_draft_tree_keeps_the_most_likely_paths():
     best = [tokens for _, tokens in sorted(paths, key=lambda p: -p[0])[:n]]
     leaves = tree.tree.depths[0] == 3
     assert sorted(tree.tree.paths(tree.tokens, 3)[0, leaves].tolist()) == sorted(best)
+
+
+def test_trees_teach_the_controller_their_acceptance():
+    """A tree's drafts have no single confidence: its acceptance per depth is still recorded, so that the controller
+    sizes trees from what they achieved rather than from its prior."""
+    from hf_mlp_speculator.controller import acceptance_for
+
+    verifier, prompt = make_verifier(), make_prompt()
+    speculator = make_oracle(verifier, prompt, 30)
+    verifier.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=speculator, n_candidates=3)
+    estimate = acceptance_for(speculator, "tree")
+    assert estimate.drafted.sum() > 0 and estimate.mean(0) > 0.9
