@@ -76,8 +76,8 @@ def test_one_prompt_on_a_sliding_window_model_runs_past_its_window(do_sample):
 
 
 def test_one_sequence_gets_its_cache_back_for_a_second_turn():
-    """`return_dict_in_generate` returns the cache at batch 1, as plain `generate()` does: the sequence's tokens but the
-    last (drafts kept past the end dropped), ready for the next turn."""
+    """`return_dict_in_generate` returns the cache at batch 1, as plain `generate()` does: the sequence's tokens but
+    the last (drafts kept past the end dropped), ready for the next turn."""
     verifier, prompt, speculator = make_verifier(), make_prompt(20), make_speculator()
     kwargs = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
     plain = verifier.generate(prompt, **kwargs)
@@ -85,9 +85,9 @@ def test_one_sequence_gets_its_cache_back_for_a_second_turn():
     (name, cache), (_, expected) = list(speculative.items())[-1], list(plain.items())[-1]
     assert name in ("cache", "past_key_values") and cache.get_seq_length() == expected.get_seq_length() == 35
     turn = torch.cat([plain.sequences, make_prompt(5, seed=9)], dim=1)
-    assert torch.equal(verifier.generate(turn, max_new_tokens=8, do_sample=False, past_key_values=cache,
-                                         assistant_model=speculator),
-                       verifier.generate(turn, max_new_tokens=8, do_sample=False, past_key_values=expected))  # fmt: skip
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    expected = verifier.generate(turn, past_key_values=expected, **kwargs)
+    assert torch.equal(verifier.generate(turn, past_key_values=cache, assistant_model=speculator, **kwargs), expected)
 
 
 def sliding_model(window: int | None = None):
