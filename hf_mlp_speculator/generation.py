@@ -25,6 +25,7 @@ from types import MethodType
 import transformers
 from packaging import version
 from transformers import DynamicCache, GenerationMixin, StopStringCriteria
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import logging
 
@@ -236,8 +237,8 @@ def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: d
     (`speculative_decoding`), which reads the device once per step on every transformers release (transformers'
     loop reads it once per cache layer per step before 5.18). transformers' loop takes one sequence and a chain, and
     is what gives `speculative_sampling="rejection"`, per-token scores, logits, attentions or hidden states, a prompt
-    given as `inputs_embeds`, a cache other than a dynamic or plain static one (a sliding-window model's static cache,
-    a sliding cache that already holds tokens), and model inputs besides the tokens.
+    given as `inputs_embeds`, a cache other than a dynamic or static one (quantized, offloaded; a sliding-window one
+    is swapped in `speculative_decoding._take_cache`), and model inputs besides the tokens.
     """
     if tree or rows > 1:
         return False
@@ -247,17 +248,41 @@ def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: d
     model_inputs = [name for name in kwargs
                     if name not in generate_parameters and not hasattr(generation_config, name)]  # fmt: skip
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    sliding = any(DynamicCache(config=model.config).is_sliding)
     return (
         any(getattr(generation_config, name) for name in _OUTPUTS)
         or kwargs.get("inputs_embeds") is not None
         or generation_config.cache_implementation not in (None, "dynamic", "static")
-        # A sliding-window model's static cache slides; a sliding cache given with tokens in it cannot be swapped for
-        # one that keeps every slot (see `speculative_decoding._take_cache`): transformers' loop takes both.
-        or (generation_config.cache_implementation == "static" and sliding)
-        or (cache is not None and (cache_kind(cache) is None or (any(cache.is_sliding) and cache.get_seq_length())))
+        or (cache is not None and cache_kind(cache) is None and not any(getattr(cache, "is_sliding", [])))
         or bool(model_inputs)
     )
+
+
+# Whether this transformers' sliding-window cache layers keep what they drop, so that assisted decoding can crop them.
+_REWINDS_SLIDING_LAYERS = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
+
+
+def _cache_for_assisted_decoding(model, model_kwargs: dict) -> None:
+    """
+    Swaps, in the `model_kwargs` that transformers' assisted decoding runs on, a cache it would get wrong for a new
+    `DynamicCache`: one that already holds part of the prompt (its first step computes the whole prompt again on top,
+    through transformers 5.25 at least: other tokens, silently), and before 5.17 one with sliding-window layers (they
+    refuse `crop` once past their window). Plain layers under the model's own sliding mask see exactly its window.
+    """
+    name = "cache" if "cache" in model_kwargs else "past_key_values"
+    cache = model_kwargs.get(name)
+    if cache is None:
+        return
+    if cache.get_seq_length():
+        logger.warning(
+            "transformers' assisted decoding, which this call needs, cannot start from a cache that already holds "
+            "part of the prompt: it computes the prompt again in a new DynamicCache (return_dict_in_generate=True "
+            "returns it). The package's own loop starts from it: drop output_scores / output_logits / "
+            "output_attentions / output_hidden_states, speculative_sampling='rejection', inputs_embeds or extra model "
+            "inputs, whichever the call has."
+        )
+        model_kwargs[name] = DynamicCache()
+    elif any(getattr(cache, "is_sliding", [])) and not _REWINDS_SLIDING_LAYERS:
+        model_kwargs[name] = DynamicCache()
 
 
 _OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -343,6 +368,7 @@ class MLPSpeculatorGenerationMixin:
                 f"{input_ids.shape[0]} came as inputs_embeds, which only transformers' one-sequence loop takes. Pass "
                 "input_ids, or generate one prompt at a time."
             )
+        _cache_for_assisted_decoding(self, model_kwargs)
         generator = MLPSpeculatorCandidateGenerator(assistant_model, generation_config, logits_processor, self)
         # The speculator is what the user holds after generate(), so that is where the call's metrics are left.
         assistant_model.speculation_metrics = generator.metrics

@@ -61,12 +61,31 @@ def cache_kind(cache) -> str | None:
     return None
 
 
+def holds_every_token(cache) -> bool:
+    """Whether no layer of `cache` has dropped a token (a sliding-window layer drops those that leave its window)."""
+    length = cache.get_seq_length()
+    return not length or all(getattr(layer, "keys", None) is not None and layer.keys.shape[-2] == length for layer in cache.layers)
+
+
+def every_slot_copy(cache):
+    """
+    A `DynamicCache` of plain layers holding what a sliding-window `cache` that `holds_every_token` holds: decoding
+    rewinds plain layers on every transformers release, and the model's own sliding mask still sees exactly its window
+    over them.
+    """
+    from transformers import DynamicCache
+
+    return DynamicCache([(layer.keys, layer.values) for layer in cache.layers])
+
+
 def drop_last_slots(cache, count: int) -> None:
     """
     Forgets the last `count` slots of every layer, without reading the device: a dynamic cache crops them, a static
     one lowers each layer's running length (a device tensor) so that the next forward writes over them. transformers
     5.25's `StaticCache.crop` does the same; earlier releases have none.
     """
+    if count <= 0:  # crop(-0) would be crop(0), which empties the cache
+        return
     if cache_kind(cache) == "dynamic":
         cache.crop(-count)
         return

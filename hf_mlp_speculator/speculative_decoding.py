@@ -46,17 +46,29 @@ from transformers import (
     TypicalLogitsWarper,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 
 from .drafter import Drafter, DraftStep
 from .drafting import Drafts
 from .host_transfer import to_host
-from .kv_cache import cache_kind, cache_kwargs, can_gather_slots, drop_last_slots, gather_slots, pop_prepared_cache
+from .kv_cache import (
+    cache_kind,
+    cache_kwargs,
+    can_gather_slots,
+    drop_last_slots,
+    every_slot_copy,
+    gather_slots,
+    holds_every_token,
+    pop_prepared_cache,
+)
 from .position_noise import PositionNoise
 
 # Processors that read nothing but the scores run once on all rows; any other runs once per distinct row length.
 _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
                 EpsilonLogitsWarper, EtaLogitsWarper)  # fmt: skip
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+logger = logging.get_logger(__name__)
+
 # Rejected drafts' slots are freed once they are more than this share of the cache (see `SpeculativeBatch.compact`).
 COMPACT_SHARE = 0.05
 
@@ -554,22 +566,6 @@ def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes, tr
     if cache is None:
         cache = DynamicCache(config=model.config)
     rows, prompt_length = input_ids.shape
-    kind = cache_kind(cache)
-    if kind is None:
-        sliding = " with sliding-window layers" * any(getattr(cache, "is_sliding", []))
-        raise ValueError(
-            f"Speculative decoding rewinds the cache past rejected drafts, which it can do to a DynamicCache or a "
-            f"StaticCache without sliding-window layers, not to a {type(cache).__name__}{sliding}, in a batch, a "
-            "tree or a sampled call. Drop cache_implementation / the cache argument, or generate one prompt at a "
-            "time, greedily and without n_candidates."
-        )
-    if kind == "static" and (rows > 1 or tree):
-        raise ValueError(
-            f"A static cache serves one sequence drafting chains, and this call has "
-            f"{f'{rows} sequences' if rows > 1 else 'tree candidates'}: the rows' rejected drafts would take slots it "
-            "cannot free. Drop cache_implementation / the cache argument (a DynamicCache serves batches and trees), "
-            "or generate one prompt at a time without n_candidates."
-        )
     cached = int(cache.get_seq_length())  # read once: a static cache counts on the device
     if cached >= prompt_length:
         raise ValueError(
@@ -577,18 +573,46 @@ def _take_cache(model, model_kwargs, generation_config, input_ids, num_nodes, tr
             "cache must hold a prefix of the prompt and leave at least its last token to compute. Pass a copy of the "
             "cache made before the prompt's last token (copy.deepcopy(prompt_cache)), or no cache."
         )
+    kind, sliding, chain = cache_kind(cache), any(getattr(cache, "is_sliding", [])), rows == 1 and not tree
+    if sliding and chain:
+        # A sliding layer drops the slots that leave its window (a rejected draft's slot would push a real token out),
+        # and cannot be rewound past what it dropped. One chain leaves no masked slot, so a cache that keeps every
+        # slot, under the model's own sliding mask, sees exactly the window.
+        if kind == "dynamic" and holds_every_token(cache):
+            return (every_slot_copy(cache) if cached else DynamicCache()), cached
+        if cached:
+            logger.warning(
+                f"This {type(cache).__name__}'s sliding-window layers already dropped tokens, which speculative "
+                "decoding cannot rewind past rejected drafts: it computes the prompt again in a new DynamicCache "
+                "(return_dict_in_generate=True returns it)."
+            )
+        elif kind is None:
+            logger.warning(
+                f"A {type(cache).__name__} with sliding-window layers cannot be rewound past rejected drafts: "
+                "speculative decoding runs on a DynamicCache instead, as transformers' assisted decoding does."
+            )
+        return DynamicCache(), 0
+    if kind is None:
+        raise ValueError(
+            f"Speculative decoding rewinds the cache past rejected drafts, which it can do to a DynamicCache or a "
+            f"StaticCache without sliding-window layers, not to a {type(cache).__name__}"
+            f"{' with sliding-window layers' * sliding}, in a batch, a tree or a sampled call. Drop "
+            "cache_implementation / the cache argument, or generate one prompt at a time, greedily and without "
+            "n_candidates."
+        )
+    if kind == "static" and not chain:
+        raise ValueError(
+            f"A static cache serves one sequence drafting chains, and this call has "
+            f"{f'{rows} sequences' if rows > 1 else 'tree candidates'}: the rows' rejected drafts would take slots it "
+            "cannot free. Drop cache_implementation / the cache argument (a DynamicCache serves batches and trees), "
+            "or generate one prompt at a time without n_candidates."
+        )
     window = getattr(model.config.get_text_config(), "sliding_window", None)
     worst_case = prompt_length + (generation_config.max_length - prompt_length) * (num_nodes + 1)
-    if kind == "dynamic" and any(cache.is_sliding) and window and worst_case > window and not cached and rows == 1 \
-            and not tree:  # fmt: skip
-        # A sliding layer drops the slots that leave its window, and a rejected draft would push real tokens out.
-        # One chain leaves no masked slot, so a cache that keeps every slot, under the model's own sliding mask, sees
-        # exactly the window.
-        return DynamicCache(), cached
-    if kind == "dynamic" and any(cache.is_sliding) and window and worst_case > window:
+    if sliding and window and worst_case > window:
         raise ValueError(
             f"This model attends over a sliding window of {window} cache slots, and rejected drafts occupy slots: "
             f"this call could fill up to {worst_case} slots and silently see fewer real tokens than the model should. "
-            "Lower max_new_tokens, or generate one prompt at a time, greedily and without n_candidates."
+            "Lower max_new_tokens, or generate one prompt at a time without n_candidates."
         )
     return cache, cached

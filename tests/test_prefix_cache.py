@@ -3,6 +3,7 @@ earlier turns): only the rest is computed, and the output is what plain `generat
 what it gives without one. One sequence's cache comes back for the next turn; sliding-window models' caches."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -98,18 +99,78 @@ def sliding_model(window: int | None = None):
     return verifier.eval()
 
 
-def test_a_sliding_window_model_with_a_static_cache_or_a_sliding_prefix_cache():
-    """A sliding model's static cache slides, and a sliding cache that holds tokens cannot be traded for one that keeps
-    every slot: one greedy prompt runs them in transformers' loop, identical to plain."""
+def test_a_sliding_window_model_with_a_static_cache():
+    """A sliding model's static cache slides: one greedy prompt runs it in transformers' loop, identical to plain."""
     verifier, prompt, speculator = sliding_model(), make_prompt(20), make_speculator()
     kwargs = dict(max_new_tokens=10, do_sample=False, cache_implementation="static")
     expected = verifier.generate(prompt, **kwargs)
     assert torch.equal(verifier.generate(prompt, assistant_model=speculator, **kwargs), expected)
-    verifier = sliding_model(window=16)
+
+
+def sliding_prefix_cache(verifier, prompt, length: int):
     cache = DynamicCache(config=verifier.config)
     with torch.no_grad():
-        verifier(prompt[:, :CACHED], past_key_values=cache, use_cache=True)
+        verifier(prompt[:, :length], past_key_values=cache, use_cache=True)
+    return cache
+
+
+def test_a_sliding_prefix_cache_within_its_window():
+    """A sliding cache that has dropped nothing yet runs as one that keeps every slot, in either loop, on every
+    transformers release (before 5.17 a sliding layer cannot be cropped once past its window): greedy is plain greedy
+    with the same cache, and the same seed gives the same tokens as without a cache."""
+    verifier, prompt, speculator = sliding_model(window=16), make_prompt(20), make_speculator()
+    cache = sliding_prefix_cache(verifier, prompt, CACHED)
     kwargs = dict(max_new_tokens=30, do_sample=False)
     expected = verifier.generate(prompt, past_key_values=copy.deepcopy(cache), **kwargs)
+    forwards = []
+    hook = verifier.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     output = verifier.generate(prompt, past_key_values=copy.deepcopy(cache), assistant_model=speculator, **kwargs)
-    assert output.shape[1] == 50 and torch.equal(output, expected)
+    hook.remove()
+    assert output.shape[1] == 50 and torch.equal(output, expected) and forwards[0] == 20 - CACHED
+    scored = verifier.generate(prompt, past_key_values=copy.deepcopy(cache), assistant_model=speculator,
+                               return_dict_in_generate=True, output_scores=True, **kwargs)  # transformers' loop
+    assert torch.equal(scored.sequences, expected) and len(scored.scores) == 30
+    kwargs = dict(max_new_tokens=30, do_sample=True, assistant_model=speculator)
+    torch.manual_seed(5)
+    without = verifier.generate(prompt, **kwargs)
+    torch.manual_seed(5)
+    assert torch.equal(verifier.generate(prompt, past_key_values=copy.deepcopy(cache), **kwargs), without)
+
+
+def test_a_sliding_prefix_cache_past_its_window(caplog):
+    """A sliding cache that has dropped tokens cannot be rewound past a rejected draft, in either loop: the prompt is
+    computed again in a new cache, said in a warning, and greedy is plain greedy with the cache passed."""
+    verifier, prompt, speculator = sliding_model(window=16), make_prompt(20), make_speculator()
+    cache = sliding_prefix_cache(verifier, prompt, 18)
+    kwargs = dict(max_new_tokens=20, do_sample=False)
+    expected = verifier.generate(prompt, past_key_values=copy.deepcopy(cache), **kwargs)
+    with caplog.at_level(logging.WARNING, logger="hf_mlp_speculator"):
+        output = verifier.generate(prompt, past_key_values=copy.deepcopy(cache), assistant_model=speculator, **kwargs)
+        scored = verifier.generate(prompt, past_key_values=copy.deepcopy(cache), assistant_model=speculator,
+                                   return_dict_in_generate=True, output_scores=True, **kwargs)  # transformers' loop
+    assert torch.equal(output, expected) and torch.equal(scored.sequences, expected)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "sliding-window layers already dropped tokens" in warnings[0]
+    assert "cannot start from a cache that already holds part of the prompt" in warnings[1]
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=False, output_scores=True, return_dict_in_generate=True),
+                                     dict(do_sample=True, speculative_sampling="rejection")],
+                         ids=["scores", "rejection"])  # fmt: skip
+def test_transformers_loop_with_a_prefix_cache(options):
+    """transformers' assisted decoding computes the whole prompt again on top of a prefix cache (other tokens, through
+    5.25 at least): the calls that run in it start from a new cache, and give what they give without one."""
+    verifier, speculator = make_verifier(), make_speculator()
+    input_ids, _, cache = prompts_and_cache(verifier, 1)
+    kwargs = dict(max_new_tokens=24, assistant_model=speculator, **options)
+    torch.manual_seed(11)
+    without = verifier.generate(input_ids, **kwargs)
+    torch.manual_seed(11)
+    output = verifier.generate(input_ids, past_key_values=copy.deepcopy(cache), **kwargs)
+    if options["do_sample"]:
+        assert torch.equal(output, without)
+    else:
+        assert torch.equal(output.sequences, without.sequences) and len(output.scores) == 24
+        assert torch.equal(without.sequences, verifier.generate(input_ids, max_new_tokens=24, do_sample=False))
