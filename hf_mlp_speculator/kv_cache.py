@@ -84,7 +84,7 @@ def drop_last_slots(cache, count: int) -> None:
     one lowers each layer's running length (a device tensor) so that the next forward writes over them. transformers
     5.25's `StaticCache.crop` does the same; earlier releases have none.
     """
-    if count <= 0:  # crop(-0) would be crop(0), which empties the cache
+    if count <= 0:  # crop(-0) is crop(0), which empties the cache on 5.13 (the length to keep, before 5.17)
         return
     if cache_kind(cache) == "dynamic":
         cache.crop(-count)
