@@ -261,7 +261,7 @@ def needs_transformers_loop(model, generation_config, kwargs, rows: int, tree: d
 _REWINDS_SLIDING_LAYERS = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
 
 
-def _cache_for_assisted_decoding(model, model_kwargs: dict) -> None:
+def _cache_for_assisted_decoding(model_kwargs: dict) -> None:
     """
     Swaps, in the `model_kwargs` that transformers' assisted decoding runs on, a cache it would get wrong for a new
     `DynamicCache`: one that already holds part of the prompt (its first step computes the whole prompt again on top,
@@ -368,7 +368,7 @@ class MLPSpeculatorGenerationMixin:
                 f"{input_ids.shape[0]} came as inputs_embeds, which only transformers' one-sequence loop takes. Pass "
                 "input_ids, or generate one prompt at a time."
             )
-        _cache_for_assisted_decoding(self, model_kwargs)
+        _cache_for_assisted_decoding(model_kwargs)
         generator = MLPSpeculatorCandidateGenerator(assistant_model, generation_config, logits_processor, self)
         # The speculator is what the user holds after generate(), so that is where the call's metrics are left.
         assistant_model.speculation_metrics = generator.metrics
