@@ -64,7 +64,8 @@ def cache_kind(cache) -> str | None:
 def holds_every_token(cache) -> bool:
     """Whether no layer of `cache` has dropped a token (a sliding-window layer drops those that leave its window)."""
     length = cache.get_seq_length()
-    return not length or all(getattr(layer, "keys", None) is not None and layer.keys.shape[-2] == length for layer in cache.layers)
+    keys = [getattr(layer, "keys", None) for layer in cache.layers]
+    return not length or all(k is not None and k.shape[-2] == length for k in keys)
 
 
 def every_slot_copy(cache):

@@ -249,8 +249,7 @@ class SpeculativeBatch:
             self.mask = torch.ones((len(self.host_rows), width), dtype=torch.long, device=self.device)
         if self.mask is not None:
             self.mask = torch.cat([self.mask, kept[:, : deepest + 1].long()], dim=1)
-        if drafts.num_nodes - 1 > deepest:
-            drop_last_slots(self.cache, drafts.num_nodes - 1 - deepest)
+        drop_last_slots(self.cache, drafts.num_nodes - 1 - deepest)
         self.compact()
 
     def draft(self) -> tuple[Drafts, DraftStep]:
