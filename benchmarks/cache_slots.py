@@ -4,7 +4,7 @@
     python benchmarks/cache_slots.py --batch-size 8 --max-new-tokens 1024 --shares inf,0.05 --schedule heuristic
 
 One batch of held-out prompts (never trained on) on the default pair, plain greedy `generate()` and speculative
-`generate()` taking turns, once per compaction threshold (`speculative_decoding.COMPACT_SHARE`; `inf`: never). By
+`generate()` taking turns, once per compaction threshold (`cache_slots.COMPACT_SHARE`; `inf`: never). By
 default every step drafts all heads (`num_assistant_tokens_schedule="constant"`), which leaves the most rejected
 slots. Prints the most slots per row the cache held, per generated token (`(cache_slots - prompt width) / new
 tokens`), and the speed against plain `generate()` in the same run.
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from hf_mlp_speculator import speculative_decoding
-from hf_mlp_speculator.default_models import evaluation_prompts
-from hf_mlp_speculator.timing import encode_prompts, load_pair
+from hf_mlp_speculator.generation import cache_slots
+from hf_mlp_speculator.tools.default_models import evaluation_prompts
+from hf_mlp_speculator.tools.runs import encode_prompts, load_pair
 from hf_mlp_speculator.training.documents import left_padded
 
 
@@ -41,7 +41,7 @@ def main():
     print("| COMPACT_SHARE | cache slots per generated token | tokens per step | speedup over plain generate() |")
     print("|---|---:|---:|---:|")
     for share in [float(s) for s in args.shares.split(",")]:
-        speculative_decoding.COMPACT_SHARE = share
+        cache_slots.COMPACT_SHARE = share
         start = time.perf_counter()
         plain = model.generate(input_ids, **settings)
         plain_seconds = time.perf_counter() - start

@@ -21,8 +21,8 @@ import time
 import torch
 
 from hf_mlp_speculator import fast_cpu_decoding
-from hf_mlp_speculator.default_models import evaluation_prompts
-from hf_mlp_speculator.timing import WARMUP_TOKENS, encode_prompts, load_pair, machine_description
+from hf_mlp_speculator.tools.default_models import evaluation_prompts
+from hf_mlp_speculator.tools.runs import WARMUP_TOKENS, encode_prompts, load_pair, machine_description
 from hf_mlp_speculator.training.documents import left_padded
 
 

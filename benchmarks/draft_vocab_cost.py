@@ -7,8 +7,8 @@ vocabulary, so the two differ only in the width of the output layer. Prints each
 share of a plain verifier step, both measured in one run (`bench.measure_verify_cost`).
 """
 
-from hf_mlp_speculator.bench import measure_verify_cost
-from hf_mlp_speculator.timing import load_pair
+from hf_mlp_speculator.tools.bench import measure_verify_cost
+from hf_mlp_speculator.tools.runs import load_pair
 
 
 def main():

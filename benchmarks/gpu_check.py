@@ -35,9 +35,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
-from hf_mlp_speculator.controller import SpeculationController
-from hf_mlp_speculator.kv_cache import cache_kwargs, output_cache
+from hf_mlp_speculator import FixedDepth, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, speculation_state
+from hf_mlp_speculator.generation.transformers_hooks import cache_kwargs, output_cache
 from hf_mlp_speculator.training import SpeculatorTrainingArguments, train
 
 BASES = {
@@ -170,31 +169,28 @@ def step_ms(base, speculator, prompts, depth: int | None, new_tokens: int, devic
 
 def loop_section(bases: dict, device, dtype, inner: int, context: int, repeats: int, new_tokens: int) -> list:
     rows = []
-    fixed = SpeculationController._forced_depth
-    SpeculationController._forced_depth = lambda self: 0  # k = 0: the cost-aware schedule, told to draft nothing
-    try:
-        for name, fields in bases.items():
-            base = build(fields, device, dtype)
-            speculator = random_speculator(base, inner, device, dtype)
-            for batch in (1, 8):
-                profile = cost_profile(base, speculator, batch, context, device, repeats)
-                prompts = torch.randint(1, base.config.vocab_size, (batch, context), device=device,
-                                        generator=torch.Generator(device).manual_seed(batch))  # fmt: skip
-                plain = step_ms(base, speculator, prompts, None, new_tokens, device)
-                depths = {}
-                for depth in range(HEADS + 1):
-                    measured = step_ms(base, speculator, prompts, depth, new_tokens, device)
-                    depths[depth] = {"step_ms": measured, "plain_steps": measured / plain,
-                                     "efficiency": modelled_step_ms(profile, depth) / measured}  # fmt: skip
-                row = dict(base=name, batch=batch, **profile, generate_plain_step_ms=plain, depths=depths,
-                           predicted_speedup=[predicted_speedup(profile, t) for t in TOKENS_PER_STEP])  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            del base, speculator
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        SpeculationController._forced_depth = fixed
+    for name, fields in bases.items():
+        base = build(fields, device, dtype)
+        speculator = random_speculator(base, inner, device, dtype)
+        # k = 0 where the call's schedule is cost-aware: its host work runs, and decides nothing.
+        speculation_state(base, speculator).policy = FixedDepth(0)
+        for batch in (1, 8):
+            profile = cost_profile(base, speculator, batch, context, device, repeats)
+            prompts = torch.randint(1, base.config.vocab_size, (batch, context), device=device,
+                                    generator=torch.Generator(device).manual_seed(batch))  # fmt: skip
+            plain = step_ms(base, speculator, prompts, None, new_tokens, device)
+            depths = {}
+            for depth in range(HEADS + 1):
+                measured = step_ms(base, speculator, prompts, depth, new_tokens, device)
+                depths[depth] = {"step_ms": measured, "plain_steps": measured / plain,
+                                 "efficiency": modelled_step_ms(profile, depth) / measured}  # fmt: skip
+            row = dict(base=name, batch=batch, **profile, generate_plain_step_ms=plain, depths=depths,
+                       predicted_speedup=[predicted_speedup(profile, t) for t in TOKENS_PER_STEP])  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del base, speculator
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 

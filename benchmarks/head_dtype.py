@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from hf_mlp_speculator.default_models import evaluation_prompts
-from hf_mlp_speculator.timing import encode_prompts, load_pair, machine_description
+from hf_mlp_speculator.tools.default_models import evaluation_prompts
+from hf_mlp_speculator.tools.runs import encode_prompts, load_pair, machine_description
 
 
 def head_chain(heads, hidden, token, depth):

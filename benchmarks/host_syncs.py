@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_host_syncs import CASES, count_syncs  # noqa: E402
 
-from hf_mlp_speculator import generation  # noqa: E402
-from hf_mlp_speculator.controller import SpeculationController  # noqa: E402
+from hf_mlp_speculator import FixedDepth, SpeculationState  # noqa: E402
+from hf_mlp_speculator.generation import mixin as generation
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--cost-aware", action="store_true", help="let the controller choose each step's depth")
     args = parser.parse_args()
     if not args.cost_aware:
-        SpeculationController._forced_depth = lambda self: self.cap
+        SpeculationState.policy = FixedDepth()  # every pair drafts all its heads
     generation.adaptive_packing = contextlib.nullcontext  # no timing forwards on packed weights in the counts
     print("| case | ours per forward | transformers' per forward | forwards |\n|---|---:|---:|---:|")
     for name, (rows, kwargs, _) in CASES.items():

@@ -10,9 +10,9 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_mlp_speculator.bench import Mode, markdown_table, run_modes, summarize
-from hf_mlp_speculator.default_models import evaluation_prompts, grounded_prompts
-from hf_mlp_speculator.timing import add_model_arguments, encode_prompts, load_pair
+from hf_mlp_speculator.tools.bench import Mode, markdown_table, run_modes, summarize
+from hf_mlp_speculator.tools.default_models import evaluation_prompts, grounded_prompts
+from hf_mlp_speculator.tools.runs import add_model_arguments, encode_prompts, load_pair
 
 
 def main():

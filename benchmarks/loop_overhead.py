@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_host_syncs import HostSyncs  # noqa: E402
 from test_loop_overhead import OperationCount  # noqa: E402
 
-from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, generation  # noqa: E402
-from hf_mlp_speculator.controller import SpeculationController  # noqa: E402
-from hf_mlp_speculator.kv_cache import cache_kwargs, output_cache  # noqa: E402
-from hf_mlp_speculator.speculative_decoding import SpeculativeBatch  # noqa: E402
+from hf_mlp_speculator import FixedDepth, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, speculation_state  # noqa: E402  # noqa: E402
+from hf_mlp_speculator.generation import mixin as generation
+from hf_mlp_speculator.generation.speculative_decoding import SpeculativeBatch  # noqa: E402
+from hf_mlp_speculator.generation.transformers_hooks import cache_kwargs, output_cache  # noqa: E402
 
 VOCAB, PROMPT, NEW_TOKENS, HEADS = 512, 32, 48, 4
 PHASES = {"draft": "draft", "verify": "verify", "accept": ("accept_chain", "accept_tree", "emit"),
@@ -199,53 +199,50 @@ def main(argv=None) -> None:
     generation.adaptive_packing = contextlib.nullcontext  # the weights as they are: packing is measured elsewhere
     verifier, speculator = proxy_pair(args.layers)
     verifier.generation_config.assistant_confidence_threshold = 0.0
-    fixed = SpeculationController._forced_depth
-    SpeculationController._forced_depth = lambda self: 0  # k = 0 steps when the schedule is cost-aware
-    try:
-        for rows in [int(b) for b in args.batch_sizes.split(",")]:
-            prompts = torch.randint(1, VOCAB, (rows, PROMPT), generator=torch.Generator().manual_seed(rows))
-            loops = [loop for loop in args.loops.split(",") if rows == 1 or loop == "ours"]
-            configs = [(loop, depth) for loop in loops for depth in range(HEADS + 1)]
-            # Every configuration once per round, rounds repeated: a slow spell of the machine hits all of them.
-            rounds = []
-            for _ in range(args.repeats):
-                bare = bare_costs(verifier, speculator, rows)
-                plain = per_step(verifier, speculator, prompts, None, "ours")
-                steps = {config: per_step(verifier, speculator, prompts, config[1], config[0]) for config in configs}
-                rounds.append((plain, bare, steps))
+    # k = 0 steps where the call's schedule is cost-aware: the controller's host work runs, and decides nothing.
+    speculation_state(verifier, speculator).policy = FixedDepth(0)
+    for rows in [int(b) for b in args.batch_sizes.split(",")]:
+        prompts = torch.randint(1, VOCAB, (rows, PROMPT), generator=torch.Generator().manual_seed(rows))
+        loops = [loop for loop in args.loops.split(",") if rows == 1 or loop == "ours"]
+        configs = [(loop, depth) for loop in loops for depth in range(HEADS + 1)]
+        # Every configuration once per round, rounds repeated: a slow spell of the machine hits all of them.
+        rounds = []
+        for _ in range(args.repeats):
+            bare = bare_costs(verifier, speculator, rows)
+            plain = per_step(verifier, speculator, prompts, None, "ours")
+            steps = {config: per_step(verifier, speculator, prompts, config[1], config[0]) for config in configs}
+            rounds.append((plain, bare, steps))
 
-            def median(value):
-                return statistics.median(value(*r) for r in rounds)
+        def median(value):
+            return statistics.median(value(*r) for r in rounds)
 
-            plain_ops, plain_reads = counts_per_step(verifier, speculator, prompts, None, "ours")
-            print(f"\n## batch {rows}: plain generate() step {median(lambda p, b, s: p[0]) * 1000:.2f} ms, of which "
-                  f"{median(lambda p, b, s: p[1]) * 1000:.2f} ms outside the forward: {plain_ops:.0f} operations, "
-                  f"{plain_reads:.1f} host reads; bare forward over 1 / 5 tokens "
-                  f"{median(lambda p, b, s: b[1] / p[0]):.2f} / "
-                  f"{median(lambda p, b, s: b[5] / p[0]):.2f} plain steps, "
-                  f"one head {median(lambda p, b, s: b['head'] / p[0]):.3f} (medians of {args.repeats} rounds)\n")
-            print("| loop | k | step, plain steps | beyond plain step's host time, plain steps | beyond its forward "
-                  "and heads, plain steps | loop efficiency | operations / step | host reads / step |\n"
-                  "|---|---:|---:|---:|---:|---:|---:|---:|")
-            for loop, depth in configs:
-                step = median(lambda p, b, s: s[loop, depth][0] / p[0])
-                # Host time outside the verifier's forward against plain generate()'s: the loop's own cost.
-                host = median(lambda p, b, s: (s[loop, depth][1] - p[1]) / p[0])
-                # Everything outside the forward but the heads (the bare heads' cost, from the cost profile).
-                beyond = median(lambda p, b, s: (s[loop, depth][1] - depth * b["head"]) / p[0])
-                # The cost profile's forward and heads over the step measured: the verifier's bare forward over
-                # k + 1 tokens, timed apart, and k heads.
-                efficiency = median(lambda p, b, s: (b[depth + 1] + depth * b["head"]) / s[loop, depth][0])
-                ops, reads = counts_per_step(verifier, speculator, prompts, depth, loop)
-                print(f"| {loop} | {depth} | {step:.3f} | {host:+.3f} | {beyond:.3f} | {efficiency:.2f} | {ops:.0f} | "
-                      f"{reads:.1f} |", flush=True)
-            print("\nms per step in the package's loop, by phase (draft includes the heads, verify the forward):\n")
-            print("| k | " + " | ".join(PHASES) + " | whole call |\n|---:|" + "---:|" * (len(PHASES) + 1))
-            for depth in (0, HEADS):
-                times = phase_times(verifier, speculator, prompts, depth, args.repeats)
-                print(f"| {depth} | " + " | ".join(f"{times[name]:.2f}" for name in [*PHASES, "whole call"]) + " |")
-    finally:
-        SpeculationController._forced_depth = fixed
+        plain_ops, plain_reads = counts_per_step(verifier, speculator, prompts, None, "ours")
+        print(f"\n## batch {rows}: plain generate() step {median(lambda p, b, s: p[0]) * 1000:.2f} ms, of which "
+              f"{median(lambda p, b, s: p[1]) * 1000:.2f} ms outside the forward: {plain_ops:.0f} operations, "
+              f"{plain_reads:.1f} host reads; bare forward over 1 / 5 tokens "
+              f"{median(lambda p, b, s: b[1] / p[0]):.2f} / "
+              f"{median(lambda p, b, s: b[5] / p[0]):.2f} plain steps, "
+              f"one head {median(lambda p, b, s: b['head'] / p[0]):.3f} (medians of {args.repeats} rounds)\n")
+        print("| loop | k | step, plain steps | beyond plain step's host time, plain steps | beyond its forward "
+              "and heads, plain steps | loop efficiency | operations / step | host reads / step |\n"
+              "|---|---:|---:|---:|---:|---:|---:|---:|")
+        for loop, depth in configs:
+            step = median(lambda p, b, s: s[loop, depth][0] / p[0])
+            # Host time outside the verifier's forward against plain generate()'s: the loop's own cost.
+            host = median(lambda p, b, s: (s[loop, depth][1] - p[1]) / p[0])
+            # Everything outside the forward but the heads (the bare heads' cost, from the cost profile).
+            beyond = median(lambda p, b, s: (s[loop, depth][1] - depth * b["head"]) / p[0])
+            # The cost profile's forward and heads over the step measured: the verifier's bare forward over
+            # k + 1 tokens, timed apart, and k heads.
+            efficiency = median(lambda p, b, s: (b[depth + 1] + depth * b["head"]) / s[loop, depth][0])
+            ops, reads = counts_per_step(verifier, speculator, prompts, depth, loop)
+            print(f"| {loop} | {depth} | {step:.3f} | {host:+.3f} | {beyond:.3f} | {efficiency:.2f} | {ops:.0f} | "
+                  f"{reads:.1f} |", flush=True)
+        print("\nms per step in the package's loop, by phase (draft includes the heads, verify the forward):\n")
+        print("| k | " + " | ".join(PHASES) + " | whole call |\n|---:|" + "---:|" * (len(PHASES) + 1))
+        for depth in (0, HEADS):
+            times = phase_times(verifier, speculator, prompts, depth, args.repeats)
+            print(f"| {depth} | " + " | ".join(f"{times[name]:.2f}" for name in [*PHASES, "whole call"]) + " |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,5 @@ import sys
 
 from hf_mlp_speculator.cli import main
 
-
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import hf_mlp_speculator  # noqa: F401  (lets generate() take the speculator)
-from hf_mlp_speculator.default_models import (
+from hf_mlp_speculator.tools.default_models import (
     SPECULATOR_TRAINING,
     TRAIN_PROMPTS,
     VALIDATION_PROMPTS,
@@ -32,7 +32,7 @@ from hf_mlp_speculator.default_models import (
     evaluation_prompts,
     write_chat_prompts,
 )
-from hf_mlp_speculator.timing import encode_prompts
+from hf_mlp_speculator.tools.runs import encode_prompts
 from hf_mlp_speculator.training import SpeculatorTrainingArguments, train
 
 # One piece of the recipe changed at a time (issue 11's items 1-4).

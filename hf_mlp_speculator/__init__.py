@@ -2,19 +2,21 @@
 
 Importing this package registers `mlp_speculator` with `AutoConfig`/`AutoModel` and, unless the environment sets
 `HF_MLP_SPECULATOR_NO_PATCH=1`, lets every model's `generate()` take an MLPSpeculator as `assistant_model`
-(see `hf_mlp_speculator.generation`).
+(see `hf_mlp_speculator.generation.mixin`).
 """
 
 import os
 
 from transformers import AutoConfig, AutoModel
 
-from .candidate_generator import MLPSpeculatorCandidateGenerator
-from .configuration_mlp_speculator import MLPSpeculatorConfig
-from .generation import MLPSpeculatorGenerationMixin, enable_mlp_speculator, install, uninstall
-from .metrics import SpeculationMetrics
-from .modeling_mlp_speculator import MLPSpeculatorOutput, MLPSpeculatorPreTrainedModel
-from .packed_linear import fast_cpu_decoding
+from .cpu.packed_linear import fast_cpu_decoding
+from .drafting.metrics import SpeculationMetrics
+from .drafting.state import FixedDepth, SpeculationState, speculation_state
+from .generation.candidate_generator import MLPSpeculatorCandidateGenerator
+from .generation.mixin import MLPSpeculatorGenerationMixin, enable_mlp_speculator, install, uninstall
+from .models.configuration_mlp_speculator import MLPSpeculatorConfig
+from .models.modeling_mlp_speculator import MLPSpeculatorOutput, MLPSpeculatorPreTrainedModel
+from .tools import default_models  # the offline default pair, for examples and demos
 
 AutoConfig.register(MLPSpeculatorConfig.model_type, MLPSpeculatorConfig, exist_ok=True)
 AutoModel.register(MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, exist_ok=True)
@@ -23,14 +25,18 @@ if os.environ.get("HF_MLP_SPECULATOR_NO_PATCH", "0") != "1":
 
 __version__ = "0.1.0"
 __all__ = [
+    "FixedDepth",
     "MLPSpeculatorCandidateGenerator",
     "MLPSpeculatorConfig",
     "MLPSpeculatorGenerationMixin",
     "MLPSpeculatorOutput",
     "MLPSpeculatorPreTrainedModel",
     "SpeculationMetrics",
+    "SpeculationState",
+    "default_models",
     "enable_mlp_speculator",
     "fast_cpu_decoding",
     "install",
+    "speculation_state",
     "uninstall",
 ]

@@ -13,8 +13,8 @@ from transformers.utils import logging
 
 SUBCOMMANDS = {
     "train": ("hf_mlp_speculator.training", "Train an MLPSpeculator for any causal LM (stage 1 + stage 2)."),
-    "demo": ("hf_mlp_speculator.demo", "Generate with and without speculation and compare speeds."),
-    "bench": ("hf_mlp_speculator.bench", "Benchmark plain, prompt-lookup and speculative decoding in one run."),
+    "demo": ("hf_mlp_speculator.tools.demo", "Generate with and without speculation and compare speeds."),
+    "bench": ("hf_mlp_speculator.tools.bench", "Benchmark plain, prompt-lookup and speculative decoding in one run."),
 }
 # What the user's input raises: the package's own checks raise ValueError (a config validation error is one too), and
 # files, folders and models that cannot be read raise OSError; a missing optional package, ImportError. Anything else

@@ -20,9 +20,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
-from hf_mlp_speculator import generation
-from hf_mlp_speculator.controller import SpeculationController
+from hf_mlp_speculator import FixedDepth, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, SpeculationState
+from hf_mlp_speculator.generation import mixin
 
 VOCAB = 96
 HIDDEN = 64
@@ -156,14 +155,14 @@ def pytest_configure(config):
 def every_head_drafts(request, monkeypatch):
     """
     Outside tests marked `cost_aware`, every step drafts all the heads the call allows (then the confidence threshold
-    and the length limit apply), so that what the decoding machinery does is known exactly; the controller would
-    choose depths from wall-clock timings. Nor do they run forwards on packed weights (the check that those agree
-    with the plain ones is forwards that tests counting forwards would see). Both are tested in test_cost_aware.py and
-    test_packed_linear.py.
+    and the length limit apply: the `FixedDepth()` policy of every pair), so that what the decoding machinery does is
+    known exactly; the controller would choose depths from wall-clock timings. Nor do they run forwards on packed
+    weights (the check that those agree with the plain ones is forwards that tests counting forwards would see). Both
+    are tested in test_cost_aware.py and test_packed_linear.py.
     """
     if request.node.get_closest_marker("cost_aware") is None:
-        monkeypatch.setattr(SpeculationController, "_forced_depth", lambda self: self.cap)
-        monkeypatch.setattr(generation, "adaptive_packing", contextlib.nullcontext)
+        monkeypatch.setattr(SpeculationState, "policy", FixedDepth())
+        monkeypatch.setattr(mixin, "adaptive_packing", contextlib.nullcontext)
 
 
 @pytest.fixture

@@ -3,24 +3,25 @@ tokens it holds."""
 
 import pytest
 import torch
-from conftest import make_oracle, make_prompt, make_speculator, make_verifier
-from test_sampling import (
+from conftest import make_oracle, make_prompt, make_verifier
+from test_sampling import (  # noqa: F401 (fixtures)
     BATCH_SAMPLES,
     MODES,
     batched_sample_counts,
     chi_square_p_value,
     keyed_plain_sampling,
+    pair_and_truth,
     sampled,
+    short_prompt_truth,
 )
-from test_sampling import pair_and_truth, short_prompt_truth  # noqa: F401 (fixtures)
 
-from hf_mlp_speculator import speculative_decoding
+from hf_mlp_speculator.generation import cache_slots
 
 
 @pytest.fixture
 def always(monkeypatch):
     """Compaction after every step, even when it frees nothing."""
-    monkeypatch.setattr(speculative_decoding, "COMPACT_SHARE", -1.0)
+    monkeypatch.setattr(cache_slots, "COMPACT_SHARE", -1.0)
 
 
 def ragged_batch(rows=3):
@@ -70,7 +71,7 @@ def slots_per_token(share: float, monkeypatch) -> float:
     The most cache slots per generated token, 3 drafts every step: row 0's drafts are all right, the other rows' mostly
     wrong, so that every step the other rows leave rejected slots behind in the columns row 0 keeps.
     """
-    monkeypatch.setattr(speculative_decoding, "COMPACT_SHARE", share)
+    monkeypatch.setattr(cache_slots, "COMPACT_SHARE", share)
     verifier, new_tokens = make_verifier(), 80
     prompts = torch.cat([make_prompt(seed=row) for row in range(4)])
     speculator = make_oracle(verifier, prompts, new_tokens, attention_mask=torch.ones_like(prompts),
@@ -83,5 +84,5 @@ def slots_per_token(share: float, monkeypatch) -> float:
 
 
 def test_the_cache_holds_few_more_slots_than_tokens(monkeypatch):
-    assert slots_per_token(speculative_decoding.COMPACT_SHARE, monkeypatch) <= 1.15
+    assert slots_per_token(cache_slots.COMPACT_SHARE, monkeypatch) <= 1.15
     assert slots_per_token(float("inf"), monkeypatch) > 1.5  # never compacted: rejected drafts keep their slots

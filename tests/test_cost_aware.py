@@ -1,8 +1,11 @@
 """The cost-aware controller's choices, the cost model, and lossless decoding with both in charge."""
 
 import contextlib
+import copy
 import functools
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -10,10 +13,22 @@ from conftest import make_oracle, make_prompt, make_speculator, make_verifier
 from torch import nn
 from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
-from hf_mlp_speculator import generation
-from hf_mlp_speculator.controller import AcceptanceEstimate, SpeculationController, best_depth, expected_tokens
-from hf_mlp_speculator.cost_model import CostModel, batch_bucket, cache_bucket
-from hf_mlp_speculator.packed_linear import PackedLinear, PackingChoice, adaptive_packing, packed_weights
+from hf_mlp_speculator import speculation_state
+from hf_mlp_speculator.cpu.packed_linear import (
+    PackedLinear,
+    PackingChoice,
+    adaptive_packing,
+    cpu_weights,
+    packed_weights,
+)
+from hf_mlp_speculator.drafting.controller import (
+    AcceptanceEstimate,
+    SpeculationController,
+    best_depth,
+    expected_tokens,
+)
+from hf_mlp_speculator.drafting.cost_model import CostModel, batch_bucket, cache_bucket
+from hf_mlp_speculator.generation import mixin as generation
 
 pytestmark = pytest.mark.cost_aware
 
@@ -246,25 +261,27 @@ def test_sampling_stays_exact_while_the_controller_varies_the_depth(clock):
     assert chi_square_p_value(counts, exact_distribution(verifier), SAMPLES) > 1e-3
 
 
-def test_measurements_belong_to_their_model_and_die_with_it():
-    """Kept per model object, not per address: CPython reuses a freed model's id, and a new model must not start from
-    its timings or its packing timings (a stale cost model once made a later test's controller never draft)."""
-    import gc
-
-    from hf_mlp_speculator import cost_model, packed_linear
-
-    verifier = make_verifier()
+def test_measurements_belong_to_their_pair_and_die_with_it():
+    """Kept by the verifier per speculator object, not per address: CPython reuses a freed model's id, and a new pair
+    must not start from another's timings (a stale cost model once made a later test's controller never draft)."""
+    verifier, speculator = make_verifier(), make_speculator()
+    state = speculation_state(verifier, speculator)
     for seconds in (9.0, 5.0):  # the first timing of a shape is left out
-        cost_model.cost_model_for(verifier, 1).record_verify(10, 2, seconds)
+        state.cost_model_for(1, "cpu", torch.float32).record_verify(10, 2, seconds)
     with adaptive_packing(verifier):
         verifier(torch.tensor([[1, 2]]))
-    assert cost_model.cost_model_for(verifier, 1).summary()["verify_seconds_by_new_tokens"] == {2: 5.0}
-    assert cost_model.cost_model_for(make_verifier(), 1).summary()["verify_seconds_by_new_tokens"] == {}
-    assert packed_linear.packing_summary(verifier) and not packed_linear.packing_summary(make_verifier())
-    held = len(cost_model._COST_MODELS), len(packed_linear._CHOICES)
-    del verifier
+    assert speculation_state(verifier, speculator) is state
+    assert state.cost_model_for(1, "cpu", torch.float32).summary()["verify_seconds_by_new_tokens"] == {2: 5.0}
+    assert not speculation_state(make_verifier(), speculator).cost_models  # another verifier
+    assert not speculation_state(verifier, make_speculator()).cost_models  # another speculator
+    assert state.cpu_weights.choice.summary() and not cpu_weights(make_verifier()).choice.summary()
+    assert speculation_state(verifier, make_speculator()).cpu_weights is state.cpu_weights  # the verifier's own
+    copied = copy.deepcopy(verifier)  # a copy may go to another device: it starts with nothing learned
+    assert not speculation_state(copied, speculator).cost_models and not cpu_weights(copied).choice.summary()
+    state_ref, weights_ref = weakref.ref(state), weakref.ref(state.cpu_weights)
+    del verifier, state, copied
     gc.collect()
-    assert len(cost_model._COST_MODELS) < held[0] and len(packed_linear._CHOICES) < held[1]
+    assert state_ref() is None and weights_ref() is None
 
 
 def test_a_cost_model_without_timings_times_a_depth():

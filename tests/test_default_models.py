@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from hf_mlp_speculator import default_models
+from hf_mlp_speculator.tools import default_models
 
 
 class FakeConversion:

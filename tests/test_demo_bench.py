@@ -14,16 +14,16 @@ from tiny_tokenizer import char_tokenizer
 from transformers import LlamaForCausalLM
 
 from hf_mlp_speculator import SpeculationMetrics, cli
-from hf_mlp_speculator.bench import (
+from hf_mlp_speculator.models.modeling_mlp_speculator import MLPSpeculator
+from hf_mlp_speculator.tools.bench import (
     Mode,
     markdown_table,
     measure_verify_cost,
     new_tokens_per_row,
     summarize,
 )
+from hf_mlp_speculator.tools.runs import GenerationRun, load_pair, machine_description, token_latencies
 from hf_mlp_speculator.training.documents import left_padded
-from hf_mlp_speculator.modeling_mlp_speculator import MLPSpeculator
-from hf_mlp_speculator.timing import GenerationRun, load_pair, machine_description, token_latencies
 
 
 @pytest.fixture

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from conftest import HIDDEN, VOCAB, make_prompt, make_verifier
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from conftest import HIDDEN, VOCAB, make_prompt, make_verifier
 from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
 
 DRAFT_IDS = torch.tensor([3, 5, 8, 13, 21, 34, 55, 89])
@@ -127,8 +127,15 @@ def sharp_draft_vocab_pair():
 
 def test_sampling_follows_the_verifier_distribution_exactly():
     """The draft distribution is zero outside the draft vocabulary; rejection sampling on it stays exact."""
-    from test_sampling import BATCH_SAMPLES, SAMPLES, batched_sample_counts, chi_square_p_value, exact_distribution
-    from test_sampling import sample_counts, SHORT_PROMPT
+    from test_sampling import (
+        BATCH_SAMPLES,
+        SAMPLES,
+        SHORT_PROMPT,
+        batched_sample_counts,
+        chi_square_p_value,
+        exact_distribution,
+        sample_counts,
+    )
 
     verifier, speculator = sharp_draft_vocab_pair()
     probs = exact_distribution(verifier)

@@ -14,13 +14,14 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import hf_mlp_speculator
 from hf_mlp_speculator import MLPSpeculatorGenerationMixin, enable_mlp_speculator
-from hf_mlp_speculator.generation import check_transformers_hooks
+from hf_mlp_speculator.generation import transformers_hooks
+from hf_mlp_speculator.generation.transformers_hooks import check_transformers_hooks
 
 
 def test_install_patches_only_the_two_hooks_and_uninstall_restores_them():
     hf_mlp_speculator.uninstall()
     try:
-        stock = hf_mlp_speculator.generation._STOCK
+        stock = transformers_hooks.STOCK
         assert all(getattr(GenerationMixin, name) is method for name, method in stock.items())
         verifier, prompt = make_verifier(), make_prompt()
         speculator = make_oracle(verifier, prompt, 12)

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 from conftest import ARCHITECTURES, HIDDEN, VOCAB, make_prompt, make_speculator, make_verifier
-from test_batched_decoding import ragged_batch
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from test_batched_decoding import ragged_batch
 from tiny_tokenizer import char_tokenizer
 from transformers import BloomConfig, BloomForCausalLM, GenerationConfig
 

@@ -16,7 +16,7 @@ import torch
 from conftest import make_speculator, make_verifier
 from tiny_tokenizer import char_tokenizer
 
-from hf_mlp_speculator import default_models
+from hf_mlp_speculator.tools import default_models
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
@@ -273,7 +273,7 @@ def test_the_public_api_check_catches_private_names(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text(
         "import hf_mlp_speculator\nfrom hf_mlp_speculator import default_models, _x\n"
-        "from hf_mlp_speculator._private import y\nhf_mlp_speculator.timing._z\ndefault_models._digest\n"
+        "from hf_mlp_speculator._private import y\nhf_mlp_speculator.tools.runs._z\ndefault_models._digest\n"
     )
     assert sorted(public_api_violations(script)) == ["_digest", "_private", "_x", "_z"]
 

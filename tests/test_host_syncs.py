@@ -13,8 +13,7 @@ import torch
 from conftest import make_prompt, make_speculator, make_verifier
 from torch.overrides import TorchFunctionMode
 
-from hf_mlp_speculator import MLPSpeculatorCandidateGenerator
-from hf_mlp_speculator.controller import SpeculationController
+from hf_mlp_speculator import FixedDepth, MLPSpeculatorCandidateGenerator, SpeculationState
 
 READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 BUILDS = {"tensor", "as_tensor"}
@@ -109,7 +108,7 @@ def test_a_step_reads_the_device_at_most_four_times_transformers_own_reads_inclu
     run in this package's loop by default.
     """
     if depth == 0:
-        monkeypatch.setattr(SpeculationController, "_forced_depth", lambda self: 0)
+        monkeypatch.setattr(SpeculationState, "policy", FixedDepth(0))
     rows, kwargs, _ = CASES[case]
     ours, forwards, where, others = count_syncs(rows, **kwargs)
     assert ours + others <= 4 * forwards + PER_CALL + rows, (where, others)
@@ -137,7 +136,7 @@ def test_no_device_wide_synchronize(monkeypatch):
 def test_cuda_timings_are_read_when_the_device_has_passed_them(monkeypatch):
     """On CUDA the stopwatch records events and hands a timing over only once its end event has completed, in order;
     it waits for the device only when told to (at the end of a call)."""
-    from hf_mlp_speculator.cost_model import Stopwatch
+    from hf_mlp_speculator.drafting.stopwatch import Stopwatch
 
     class FakeEvent:
         clock, done_until = 0.0, 0.0  # the device's time, and how far it has run

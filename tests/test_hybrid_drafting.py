@@ -3,9 +3,10 @@
 import pytest
 import torch
 from conftest import make_speculator, make_verifier
-from hf_mlp_speculator.drafting import Drafts
-from hf_mlp_speculator.prompt_lookup import HybridDrafter, lookup_continuation, lookup_drafts, with_lookup
 from test_sampling import chi_square_p_value, exact_distribution, sampled_counts, sharp_pair
+
+from hf_mlp_speculator.drafting.drafts import Drafts
+from hf_mlp_speculator.drafting.prompt_lookup import HybridDrafter, lookup_continuation, lookup_drafts, with_lookup
 
 NEW_TOKENS = 4
 

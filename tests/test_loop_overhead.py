@@ -12,7 +12,7 @@ import torch
 from conftest import make_prompt, make_speculator, make_verifier
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_mlp_speculator.controller import SpeculationController
+from hf_mlp_speculator import FixedDepth, SpeculationState
 
 
 class OperationCount(TorchDispatchMode):
@@ -64,7 +64,7 @@ def operations_per_forward(depth: int | None, rows: int = 1, **kwargs) -> float:
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_plain_step_costs_no_more_than_plain_generate(rows, monkeypatch):
     """A step that drafts nothing dispatches no more operations than a step of plain `generate()`."""
-    monkeypatch.setattr(SpeculationController, "_forced_depth", lambda self: 0)
+    monkeypatch.setattr(SpeculationState, "policy", FixedDepth(0))
     plain = operations_per_forward(None, rows)
     assert operations_per_forward(0, rows) <= plain, plain
 

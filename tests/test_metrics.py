@@ -46,7 +46,7 @@ def test_generate_leaves_metrics_on_the_speculator_and_logs_them(caplog):
     assert metrics.num_emitted_tokens == 19
     assert metrics.head_acceptance_rates[:2] == [1.0, 1.0] and metrics.head_acceptance_rates[2] == 0.0
     assert metrics.mean_tokens_per_step == pytest.approx(19 / metrics.num_steps)
-    logged = [r.getMessage() for r in caplog.records if r.name == "hf_mlp_speculator.generation"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "hf_mlp_speculator.generation.mixin"]
     assert logged == [str(metrics)]
     assert logged[0].startswith("Speculative metrics: Draft acceptance rate: ")
     assert "System efficiency: " in logged[0] and "Number of emitted tokens: 19" in logged[0]

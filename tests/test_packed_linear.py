@@ -12,8 +12,10 @@ from conftest import HIDDEN, VOCAB, make_oracle, make_prompt, make_speculator, m
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_mlp_speculator import fast_cpu_decoding, generation, packed_linear
-from hf_mlp_speculator.packed_linear import EXPLORE_EVERY, TRIALS, PackedLinear, adaptive_packing, packed_weights
+from hf_mlp_speculator import fast_cpu_decoding
+from hf_mlp_speculator.cpu import packed_linear
+from hf_mlp_speculator.cpu.packed_linear import EXPLORE_EVERY, TRIALS, PackedLinear, adaptive_packing, packed_weights
+from hf_mlp_speculator.generation import mixin as generation
 
 
 def test_packed_linear_matches_nn_linear_for_every_row_count():
@@ -151,7 +153,7 @@ def test_a_missing_failing_or_wrong_op_falls_back_to_plain_weights(monkeypatch, 
         output = verifier.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=speculator)
     assert torch.equal(output, expected)
     assert speculator.speculation_metrics.num_accepted_tokens > 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "hf_mlp_speculator.packed_linear"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hf_mlp_speculator.cpu.packed_linear"]
     assert len(lines) == 1 and logged in lines[0] and "decoding on the plain weights" in lines[0], lines
     assert set(forwards) == {"Linear"}  # no decoding forward ran on a packed weight
     assert not any(isinstance(m, PackedLinear) for m in verifier.modules())

@@ -6,8 +6,8 @@ import types
 
 from tqdm.auto import tqdm
 
-from hf_mlp_speculator import progress as progress_module
-from hf_mlp_speculator.progress import Progress
+from hf_mlp_speculator.utils import progress as progress_module
+from hf_mlp_speculator.utils.progress import Progress
 
 
 class Clock:

@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import expected_steps, make_oracle, make_prompt, make_verifier
 
-from hf_mlp_speculator import MLPSpeculatorCandidateGenerator, generation
-from hf_mlp_speculator.speculative_decoding import SpeculativeBatch
+from hf_mlp_speculator import MLPSpeculatorCandidateGenerator
+from hf_mlp_speculator.generation import mixin as generation
+from hf_mlp_speculator.generation.speculative_decoding import SpeculativeBatch
 
 
 @pytest.mark.parametrize("loop", ["ours", "transformers"])
@@ -54,9 +55,7 @@ def test_wrong_row_would_be_caught(loop, monkeypatch):
         accept_chain = SpeculativeBatch.accept_chain
 
         def last_row(self, drafts, outputs):
-            result = accept_chain(self, drafts, outputs)
-            self.hidden = outputs.hidden_states[-1][:, -1]
-            return result
+            return accept_chain(self, drafts, outputs)._replace(hidden=outputs.hidden_states[-1][:, -1])
 
         monkeypatch.setattr(SpeculativeBatch, "accept_chain", last_row)
     else:

@@ -10,15 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_prompt, make_speculator, make_verifier
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_mlp_speculator import (
+    FixedDepth,
     MLPSpeculatorCandidateGenerator,
     MLPSpeculatorConfig,
     MLPSpeculatorPreTrainedModel,
-    cost_model,
+    speculation_state,
 )
-from hf_mlp_speculator.position_noise import PositionNoise
+from hf_mlp_speculator.drafting import cost_model
+from hf_mlp_speculator.generation.position_noise import PositionNoise
 
 V, NEW_TOKENS, TEMPERATURE, TOP_K, SAMPLES = 4, 4, 0.8, 3, 800
 PROMPT = torch.tensor([[1, 2, 3]])
@@ -271,3 +274,20 @@ def test_a_token_the_processors_rule_out_is_never_emitted(pair_and_truth):
         torch.manual_seed(seed)
         output = verifier.generate(PROMPT, max_new_tokens=12, do_sample=True, top_k=1, assistant_model=speculator)
         assert torch.equal(output, greedy)
+
+
+def test_a_seeded_rejection_call_repeats_its_tokens_only_under_a_fixed_depth():
+    """What the docs promise for `speculative_sampling="rejection"`: the same seed gives the same tokens where the
+    depths are the same (a fixed depth), and other depths draw other random numbers, hence other tokens."""
+    verifier, speculator, prompt = make_verifier(), make_speculator(), make_prompt()
+    state = speculation_state(verifier, speculator)
+
+    def sampled(seed, depth):
+        state.policy = FixedDepth(depth)
+        torch.manual_seed(seed)
+        return verifier.generate(prompt, do_sample=True, max_new_tokens=24, assistant_model=speculator,
+                                 speculative_sampling="rejection")  # fmt: skip
+
+    for seed in (0, 1):
+        assert torch.equal(sampled(seed, 2), sampled(seed, 2))
+    assert any(not torch.equal(sampled(seed, 1), sampled(seed, 3)) for seed in (0, 1, 2))

@@ -21,22 +21,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_verifier
 from safetensors.torch import load_file
+from tiny_tokenizer import char_tokenizer
 from transformers import AutoModel, AutoModelForCausalLM
 
-from conftest import make_verifier
 from hf_mlp_speculator import MLPSpeculatorPreTrainedModel, cli
 from hf_mlp_speculator.training import (
     SpeculatorTrainingArguments,
     add_arguments,
     from_namespace,
     latest_checkpoint,
+    loop,
     lr_multiplier,
     train,
 )
-from hf_mlp_speculator.training import loop
 from hf_mlp_speculator.training.loop import TIMED_STEPS, Epochs, plan_steps
-from tiny_tokenizer import char_tokenizer
 
 LETTERS = [ord(c) - 31 for c in string.ascii_lowercase]  # the char tokenizer's ids of a..z
 

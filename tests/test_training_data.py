@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VOCAB, make_verifier
+from tiny_tokenizer import char_tokenizer
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from conftest import VOCAB, make_verifier
 from hf_mlp_speculator import cli
-from hf_mlp_speculator.default_models import evaluation_prompts
+from hf_mlp_speculator.tools.default_models import evaluation_prompts
 from hf_mlp_speculator.training import SpeculatorTrainingArguments, training_data
 from hf_mlp_speculator.training.documents import Corpus, is_held_out, iter_documents, pack, tokenize
 from hf_mlp_speculator.training.prompts import keep_new, render_chat_prompt, synthesize_user_turns, user_prefix
-from tiny_tokenizer import char_tokenizer
 
 
 @pytest.fixture(scope="module")

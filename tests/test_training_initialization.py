@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from conftest import HIDDEN, VOCAB, make_speculator
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import HIDDEN, VOCAB, make_speculator
 from hf_mlp_speculator.training.initialization import initialize_from_base
 
 DRAFT_VOCAB = torch.tensor([2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83])

@@ -3,8 +3,8 @@ learns from, and the draft vocabulary picked from them."""
 
 import pytest
 import torch
-
 from conftest import VOCAB, make_verifier
+
 from hf_mlp_speculator.training import SpeculatorTrainingArguments
 from hf_mlp_speculator.training.loop import draft_vocabulary, make_speculator
 from hf_mlp_speculator.training.losses import IGNORE_INDEX

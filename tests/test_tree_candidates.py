@@ -5,7 +5,8 @@ import torch
 from conftest import ARCHITECTURES, expected_steps, make_oracle, make_prompt, make_speculator, make_verifier
 from test_batched_decoding import ragged_batch
 
-from hf_mlp_speculator.drafting import draft_tree, tree_from_candidates
+from hf_mlp_speculator import speculation_state
+from hf_mlp_speculator.drafting.drafts import DraftKind, TreeSpec, draft_tree, tree_from_candidates
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -58,7 +59,7 @@ def test_tree_merges_shared_prefixes():
     assert tree.tree.parents.tolist() == [[0, 0, 1, 2, 2, 0, 5, 6]]
     assert tree.tree.depths.tolist() == [[0, 1, 2, 3, 3, 1, 2, 3]]
     assert tree.tree.paths(tree.tokens, tree.max_depth)[0, 4].tolist() == [5, 6, 8]
-    ancestors = tree.tree.ancestors()[0]
+    ancestors = tree.tree.ancestors[0]
     assert ancestors[4].nonzero().squeeze(1).tolist() == [0, 1, 2, 4]
     # A row with budget for one draft keeps only the distinct first tokens.
     short = tree_from_candidates(candidates, torch.tensor([1]), torch.tensor([1]))
@@ -72,7 +73,7 @@ def test_draft_tree_keeps_the_most_likely_paths():
     hidden, token = torch.randn(1, 64), torch.tensor([4])
     top_k, n = [3, 2, 2], 5
     with torch.no_grad():
-        tree = draft_tree(heads, hidden, token, torch.tensor([3]), 3, top_k, n)
+        tree = draft_tree(heads, hidden, token, torch.tensor([3]), 3, TreeSpec(tuple(top_k), n, 3))
         paths = []
 
         def walk(state, last, head, tokens, score):
@@ -93,10 +94,8 @@ def test_draft_tree_keeps_the_most_likely_paths():
 def test_trees_teach_the_controller_their_acceptance():
     """A tree's drafts have no single confidence: its acceptance per depth is still recorded, so that the controller
     sizes trees from what they achieved rather than from its prior."""
-    from hf_mlp_speculator.controller import acceptance_for
-
     verifier, prompt = make_verifier(), make_prompt()
     speculator = make_oracle(verifier, prompt, 30)
     verifier.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=speculator, n_candidates=3)
-    estimate = acceptance_for(speculator, "tree")
+    estimate = speculation_state(verifier, speculator).acceptance[DraftKind.TREE]
     assert estimate.drafted.sum() > 0 and estimate.mean(0) > 0.9

@@ -1,10 +1,8 @@
 """A character-level tokenizer over the `VOCAB` ids of conftest's tiny models, with a chat template, built offline."""
 
+from conftest import VOCAB
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
-
-from conftest import VOCAB
-
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

@@ -1,7 +1,7 @@
 """The trainer: `train(SpeculatorTrainingArguments(...))`, or `hf-mlp-speculator train ...` on the command line.
 
 - `arguments`: the settings, one flag each;
-- `documents`: reading and packing training documents;
+- `documents`: training documents (read by `utils.data_sources`), held out by hash and packed;
 - `prompts`: prompts the base model writes itself (Magpie);
 - `targets`: what the base model computes once (hidden states, top-k distributions), and its cache;
 - `training_data`: which targets a run uses, under a time budget;

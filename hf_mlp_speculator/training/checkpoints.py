@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 
 RUN_FILE = "run.json"
 OPTIMIZER_FILE = "optimizer.pt"

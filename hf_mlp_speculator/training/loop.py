@@ -29,9 +29,10 @@ from torch.utils._pytree import tree_map
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
-from ..configuration_mlp_speculator import MLPSpeculatorConfig
-from ..modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
-from ..packed_linear import packed_matches_plain, packed_weights
+from ..cpu.packed_linear import packed_matches_plain, packed_weights
+from ..models.configuration_mlp_speculator import MLPSpeculatorConfig
+from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from ..utils.progress import Progress
 from .arguments import SpeculatorTrainingArguments
 from .checkpoints import (
     TrainerState,
@@ -44,7 +45,6 @@ from .checkpoints import (
 )
 from .initialization import initialize_from_base
 from .losses import acceptance_counts, draft_index, token_losses
-from ..progress import Progress
 from .sharding import gathered, restore, shard, shard_base
 from .targets import Targets
 from .training_data import build_training_data
@@ -166,7 +166,9 @@ def summarize(counts: torch.Tensor, loss_per_head: torch.Tensor | None, prefix: 
             metrics[f"{prefix}/head_{i}_loss"] = loss_per_head[i].item()
         metrics[f"{prefix}/head_{i}_acc"] = (hits[i] / positions[i]).item()
         metrics[f"{prefix}/head_{i}_acceptance"] = (accepted[i] / positions[i]).item()
-    metrics[f"{prefix}/tokens_per_step"] = 1 + sum(metrics[f"{prefix}/head_{i}_acceptance"] for i in range(len(positions)))
+    metrics[f"{prefix}/tokens_per_step"] = 1 + sum(
+        metrics[f"{prefix}/head_{i}_acceptance"] for i in range(len(positions))
+    )
     return metrics
 
 
@@ -218,7 +220,9 @@ class OptimizerStep:
         heads = accelerator.unwrap_model(speculator).speculator
         self.draft_vocab = heads.draft_vocab
         self.index = draft_index(heads.draft_vocab, heads.vocab_size, accelerator.device)
-        self.weights = torch.tensor([args.head_loss_decay**i for i in range(args.n_predict)], device=accelerator.device)
+        self.weights = torch.tensor(
+            [args.head_loss_decay**i for i in range(args.n_predict)], device=accelerator.device
+        )
 
     def __call__(self, step: int, update: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs global batch `step` (with `update=False`, only its forwards and backwards, to time it); returns the
@@ -227,7 +231,8 @@ class OptimizerStep:
         world, rank = accelerator.num_processes, accelerator.process_index
         batch = self.targets.batch(self.epochs.rows(step), args.n_predict)
         head_positions = (batch.labels != -100).sum(1).clamp(min=1).to(accelerator.device)
-        mine = batch.split(args.batch_size)[rank::world]  # micro-step m of this process: global micro-batch m*world+rank
+        # Micro-step m of this process is global micro-batch m*world+rank.
+        mine = batch.split(args.batch_size)[rank::world]
         loss_sum, counts = 0, 0
         for micro_step, micro in enumerate(mine):
             micro = micro.to(accelerator.device)
@@ -269,7 +274,9 @@ class OptimizerStep:
         return statistics.median(times[1:])
 
 
-def start_or_resume(args, output_dir: Path, optimizer_step: OptimizerStep, epochs: Epochs, budget_left) -> TrainerState:
+def start_or_resume(
+    args, output_dir: Path, optimizer_step: OptimizerStep, epochs: Epochs, budget_left
+) -> TrainerState:
     """The state of a fresh run, with its planned steps, or the one its latest checkpoint left (`--resume`)."""
     checkpoint = latest_checkpoint(output_dir) if args.resume else None
     if checkpoint is not None:
@@ -307,31 +314,11 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     """Trains a speculator as `args` describe; returns `args.output_dir`, holding it in the published layout."""
     started = time.monotonic()
     output_dir = Path(args.output_dir)
-    accelerator = Accelerator(
-        mixed_precision=args.mixed_precision, log_with=_trackers(args.report_to), project_dir=output_dir
-    )
-    check_launch(accelerator)
-    for flag, what in (("fsdp", "the speculator"), ("fsdp_base", "the base model")):
-        if getattr(args, flag) and accelerator.num_processes < 2:
-            name = "--" + flag.replace("_", "-")
-            raise ValueError(
-                f"{name} shards {what} across processes, and this run has one. Launch it on several (torchrun "
-                f"--nproc-per-node N -m hf_mlp_speculator.training ..., or accelerate launch), or drop {name}."
-            )
-    if accelerator.is_main_process:
-        claim_output_dir(output_dir, args.result_settings(), args.resume)
-    accelerator.wait_for_everyone()
-    # Refused before the targets are computed, which can take most of a run.
-    if args.resume and (checkpoint := latest_checkpoint(output_dir)) is not None:
-        check_resumable(checkpoint)
+    accelerator = start_run(args, output_dir)
     base, tokenizer = load_base(args, accelerator.device)
     budget = args.max_train_minutes * 60
     building = time.monotonic()
-    # On CPU, the base computes its targets on packed weights where those agree with the plain ones, whatever they
-    # measure: a forward's last bits differ between the two, and a run resumed from a kill must compute the targets
-    # the unbroken run computes (a sharded base is left as it is).
-    with packed_weights(base, not args.fsdp_base and packed_matches_plain(base)):
-        data = build_training_data(args, base, tokenizer, accelerator, budget * TARGETS_SHARE)
+    data = compute_targets(args, base, tokenizer, accelerator, budget * TARGETS_SHARE)
     # The targets count with the time they took when computed, not with the time reading them from the cache took
     # now: a rerun or a resumed run plans the same training as the first run.
     started += time.monotonic() - building - data.seconds
@@ -342,7 +329,9 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     epochs = Epochs(data.train, rows_per_step, args.seed)
     optimizer_step = OptimizerStep(speculator, optimizer, data.train, epochs, args, accelerator)
     # What is left of the budget, less a little for the evaluations, checkpoints and the final save.
-    state = start_or_resume(args, output_dir, optimizer_step, epochs, lambda: 0.97 * budget - (time.monotonic() - started))
+    state = start_or_resume(
+        args, output_dir, optimizer_step, epochs, lambda: 0.97 * budget - (time.monotonic() - started)
+    )
     eval_every = args.eval_every or max(1, state.total_steps // 10)
     save_every = args.save_every or max(1, state.total_steps // 5)
 
@@ -360,16 +349,13 @@ def train(args: SpeculatorTrainingArguments) -> Path:
     run_started, run_rows = time.perf_counter(), 0
     while state.step < state.total_steps:
         lr = args.learning_rate * lr_multiplier(state.step, state.total_steps, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        set_learning_rate(optimizer, lr)
         loss_per_head, counts = optimizer_step(state.step)
         state.step += 1
         run_rows += rows_per_step
         metrics = {**summarize(counts, loss_per_head, "train"), "train/lr": lr,
                    "train/positions_per_second": run_rows / (time.perf_counter() - run_started)}  # fmt: skip
-        acceptance = "/".join(f"{metrics[f'train/head_{i}_acceptance']:.2f}" for i in range(args.n_predict))
-        progress.update(loss=f"{metrics['train/loss']:.3f}", acceptance=acceptance,
-                        pos_s=f"{metrics['train/positions_per_second']:.0f}")  # fmt: skip
+        show_progress(progress, metrics, args.n_predict)
         finished = state.step == state.total_steps
         saving = state.step % save_every == 0 and not finished
         if saving or finished or state.step % eval_every == 0:
@@ -378,20 +364,78 @@ def train(args: SpeculatorTrainingArguments) -> Path:
         if "eval/loss" in metrics or state.step % args.logging_steps == 0:
             log(metrics)
         if saving:
-            whole, optimizer_state = whole_state(speculator, None if args.save_only_model else optimizer, args,
-                                                 accelerator)  # fmt: skip
-            if accelerator.is_main_process:
-                save_checkpoint(whole, optimizer_state, state, output_dir, args.save_total_limit)
-            accelerator.wait_for_everyone()
+            save_run_checkpoint(speculator, optimizer, state, args, accelerator)
     progress.close()
 
+    finish(speculator, state, args, accelerator)
+    return output_dir
+
+
+def start_run(args: SpeculatorTrainingArguments, output_dir: Path) -> Accelerator:
+    """The run's accelerator, once the launch, the sharding flags and the output folder (or its checkpoint) pass."""
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision, log_with=_trackers(args.report_to), project_dir=output_dir
+    )
+    check_launch(accelerator)
+    check_sharding(args, accelerator)
+    if accelerator.is_main_process:
+        claim_output_dir(output_dir, args.result_settings(), args.resume)
+    accelerator.wait_for_everyone()
+    # Refused before the targets are computed, which can take most of a run.
+    if args.resume and (checkpoint := latest_checkpoint(output_dir)) is not None:
+        check_resumable(checkpoint)
+    return accelerator
+
+
+def check_sharding(args: SpeculatorTrainingArguments, accelerator) -> None:
+    """Refuses `fsdp` and `fsdp_base` on a single process, which would have nothing to shard across."""
+    for flag, what in (("fsdp", "the speculator"), ("fsdp_base", "the base model")):
+        if getattr(args, flag) and accelerator.num_processes < 2:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(
+                f"{name} shards {what} across processes, and this run has one. Launch it on several (torchrun "
+                f"--nproc-per-node N -m hf_mlp_speculator.training ..., or accelerate launch), or drop {name}."
+            )
+
+
+def compute_targets(args: SpeculatorTrainingArguments, base, tokenizer, accelerator, budget_seconds: float):
+    """The base model's training and held-out targets (`build_training_data`), within `budget_seconds` if any."""
+    # On CPU, the base computes its targets on packed weights where those agree with the plain ones, whatever they
+    # measure: a forward's last bits differ between the two, and a run resumed from a kill must compute the targets
+    # the unbroken run computes (a sharded base is left as it is).
+    with packed_weights(base, not args.fsdp_base and packed_matches_plain(base)):
+        return build_training_data(args, base, tokenizer, accelerator, budget_seconds)
+
+
+def set_learning_rate(optimizer, lr: float) -> None:
+    """Sets the learning rate of every parameter group to `lr`, the schedule's value at this step."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def show_progress(progress: Progress, metrics: dict, n_predict: int) -> None:
+    """Advances the progress bar by a step, showing the step's loss, per-head acceptance and throughput."""
+    acceptance = "/".join(f"{metrics[f'train/head_{i}_acceptance']:.2f}" for i in range(n_predict))
+    progress.update(loss=f"{metrics['train/loss']:.3f}", acceptance=acceptance,
+                    pos_s=f"{metrics['train/positions_per_second']:.0f}")  # fmt: skip
+
+
+def save_run_checkpoint(speculator, optimizer, state: TrainerState, args, accelerator) -> None:
+    """Saves a checkpoint of the run: what `--resume` continues from (the weights alone with `save_only_model`)."""
+    whole, optimizer_state = whole_state(speculator, None if args.save_only_model else optimizer, args, accelerator)
+    if accelerator.is_main_process:
+        save_checkpoint(whole, optimizer_state, state, Path(args.output_dir), args.save_total_limit)
+    accelerator.wait_for_everyone()
+
+
+def finish(speculator, state: TrainerState, args, accelerator) -> None:
+    """Saves the trained speculator in the published layout, with its model card (and upload), and ends the run."""
     final, _ = whole_state(speculator, None, args, accelerator)
     if accelerator.is_main_process:
-        save_final(final, state, output_dir)
+        save_final(final, state, Path(args.output_dir))
         publish(final, state, args)
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return output_dir
 
 
 def check_launch(accelerator) -> None:
@@ -432,7 +476,7 @@ def eval_line(metrics: dict, step: int, n_predict: int) -> str:
 
 def publish(speculator, state: TrainerState, args) -> None:
     """The model card next to the speculator, and the upload to the Hub when asked."""
-    from ..model_card import make_model_card
+    from .model_card import make_model_card
 
     output_dir = Path(args.output_dir)
     make_model_card(args, speculator.config, state.log_history).save(output_dir / "README.md")
@@ -441,7 +485,8 @@ def publish(speculator, state: TrainerState, args) -> None:
 
         repo_id = create_repo(args.hub_model_id or output_dir.name, exist_ok=True).repo_id
         upload_folder(
-            repo_id=repo_id, folder_path=output_dir, allow_patterns=["config.json", "*.safetensors", "*.json", "README.md"],
+            repo_id=repo_id, folder_path=output_dir,
+            allow_patterns=["config.json", "*.safetensors", "*.json", "README.md"],
             ignore_patterns=["checkpoint-*", ".tmp-*", "trainer_state.json", "run.json"],
         )  # fmt: skip
         logger.info(f"Pushed the speculator to https://huggingface.co/{repo_id}")

@@ -13,7 +13,6 @@ process it lands in), so gradient accumulation and data parallelism compute exac
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 LOSSES = ("soft", "hard", "mix")
 IGNORE_INDEX = -100

@@ -19,7 +19,6 @@ own shard. The final speculator is saved once, whole.
 """
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -27,8 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
-from ..modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 
 try:  # public from torch 2.6
     from torch.distributed.fsdp import fully_shard

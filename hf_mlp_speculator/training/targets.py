@@ -26,8 +26,8 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from ..kv_cache import cache_kwargs
-from .documents import left_padded
+from ..generation.transformers_hooks import cache_kwargs
+from ..utils.batching import left_padded
 from .losses import IGNORE_INDEX, Batch
 from .sharding import whole
 
@@ -179,7 +179,9 @@ def continue_prompts(
         output = base(input_ids=token[:, None], attention_mask=mask, position_ids=positions[:, None], use_cache=True,
                       output_hidden_states=-1, **cache_kwargs(base, cache))  # fmt: skip
         positions = positions + 1
-    return Targets.from_sequences(*([torch.stack(row).cpu() for row in kept] for kept in (states, tokens, ids, logprobs)))
+    return Targets.from_sequences(
+        *([torch.stack(row).cpu() for row in kept] for kept in (states, tokens, ids, logprobs))
+    )
 
 
 @torch.no_grad()

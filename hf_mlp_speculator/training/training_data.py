@@ -16,12 +16,11 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-
 from transformers.utils import logging
 
-from ..package_data import cache_dir, evaluation_prompts
+from ..utils.package_data import cache_dir, evaluation_prompts
+from ..utils.progress import Progress
 from .documents import Corpus
-from ..progress import Progress
 from .prompts import keep_new, normalized, render_chat_prompt, synthesize_user_turns
 from .targets import TargetCache, Targets, continue_prompts, end_of_sequence_ids, fingerprint, teacher_force
 
@@ -52,41 +51,49 @@ def _prompts(corpus: Corpus, args, held_out: bool):
     return (ids[: args.prompt_length] for ids in corpus.prompts(10**9, held_out))
 
 
-def build_training_data(args, base, tokenizer, accelerator, budget_seconds: float = 0.0) -> TrainingData:
-    cache = TargetCache(args.targets_cache or cache_dir() / "targets")
-    progress = Progress(None, "Computing the base model's targets", "tokens",
-                        disable=not accelerator.is_local_main_process)  # fmt: skip
-    base_key = {"base": fingerprint(base), "top_k": args.distill_top_k}
-    eos = end_of_sequence_ids(base, tokenizer)
-    pad = next((t for t in (tokenizer.pad_token_id, *eos) if t is not None), 0)
-    world, rank = accelerator.num_processes, accelerator.process_index
+class _TargetJobs:
+    """The base model's target batches as jobs of the target cache, (key, build) pairs, and their computation."""
 
-    def continuation(prompts, new_tokens, greedy, seed):
+    def __init__(self, args, base, tokenizer, accelerator, progress: Progress):
+        self.args, self.base, self.accelerator, self.progress = args, base, accelerator, progress
+        self.cache = TargetCache(args.targets_cache or cache_dir() / "targets")
+        self.base_key = {"base": fingerprint(base), "top_k": args.distill_top_k}
+        self.eos = end_of_sequence_ids(base, tokenizer)
+        self.pad = next((t for t in (tokenizer.pad_token_id, *self.eos) if t is not None), 0)
+        # A sharded base computes each batch with every process.
+        self.parallel = 1 if args.fsdp_base else accelerator.num_processes
+
+    def continuation(self, prompts, new_tokens, greedy, seed):
+        """The job of the base model's continuations of `prompts`: greedy, or sampled as `args` ask."""
+        args = self.args
         sampled = not greedy and args.temperature > 0
-        key = {**base_key, "kind": "continuation", "prompts": prompts, "new_tokens": new_tokens, "eos": eos,
+        key = {**self.base_key, "kind": "continuation", "prompts": prompts, "new_tokens": new_tokens, "eos": self.eos,
                "temperature": args.temperature if sampled else 0.0, "sampling_top_k": args.sampling_top_k * sampled,
                "seed": seed * sampled}  # fmt: skip
         build = lambda: continue_prompts(  # noqa: E731
-            base, prompts, new_tokens, eos, pad, args.distill_top_k, key["temperature"], args.sampling_top_k, seed,
-            on_tokens=progress.update,
+            self.base, prompts, new_tokens, self.eos, self.pad, args.distill_top_k, key["temperature"],
+            args.sampling_top_k, seed, on_tokens=self.progress.update,
         )
         return key, build
 
-    def computed(jobs):
+    def computed(self, jobs):
         """Each job's targets and recorded seconds, computed round-robin over the processes."""
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
         results = []
         for start in range(0, len(jobs), world):
             round_ = jobs[start : start + world]
-            if args.fsdp_base:  # a sharded forward needs every process: all compute each batch together
+            if self.args.fsdp_base:  # a sharded forward needs every process: all compute each batch together
                 for job in round_:
-                    cache.get(*job)
+                    self.cache.get(*job)
             elif rank < len(round_):
-                cache.get(*round_[rank])
-            accelerator.wait_for_everyone()
-            results += [cache.get(*job) for job in round_]
+                self.cache.get(*round_[rank])
+            self.accelerator.wait_for_everyone()
+            results += [self.cache.get(*job) for job in round_]
         return results
 
-    corpus = _prompt_source(args, tokenizer)
+
+def _held_out_prompts(args, tokenizer, corpus: Corpus) -> list[list[int]]:
+    """The first `eval_prompts` held-out prompts: those of --eval-data, else the held-out share of the prompts."""
     if args.eval_data:
         held_out = Corpus(args.eval_data, tokenizer, 0.0, args.text_field).prompts(args.prompt_length)
     else:
@@ -98,25 +105,44 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
             f"{args.eval_fraction}): the acceptance would be measured on nothing. Give more prompts, or raise "
             "eval_fraction."
         )
-    batches = [held_out[i : i + args.generation_batch_size] for i in range(0, len(held_out), args.generation_batch_size)]
-    evaluation = computed([continuation(b, args.eval_new_tokens, True, 0) for b in batches])
-    parallel = 1 if args.fsdp_base else world  # a sharded base computes each batch with every process
-    spent = sum(seconds for _, seconds in evaluation) / parallel
+    return held_out
 
-    jobs = iter(_training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, held_out))
+
+def _within_budget(jobs: _TargetJobs, training_jobs, spent: float, budget_seconds: float) -> tuple[list, float]:
+    """The training targets, computed round by round while they fit the budget (all without one), and the seconds
+    spent in all."""
+    world = jobs.accelerator.num_processes
+    training_jobs = iter(training_jobs)
     parts, last_round = [], 0.0
+    # A round is only started if it should end within the budget, judging by the one before.
+    while not budget_seconds or spent + last_round <= budget_seconds:
+        round_ = list(itertools.islice(training_jobs, world))
+        if not round_:
+            break
+        results = jobs.computed([(key, build) for key, build, _ in round_])
+        seconds = [built + extra for (_, built), (_, _, extra) in zip(results, round_)]
+        last_round = max(seconds) if jobs.parallel > 1 else sum(seconds)
+        spent += sum(seconds) / jobs.parallel
+        parts += [targets for targets, _ in results]
+        jobs.progress.update(0, positions=sum(len(p) for p in parts), minutes=f"{spent / 60:.1f}")
+    return parts, spent
+
+
+def build_training_data(args, base, tokenizer, accelerator, budget_seconds: float = 0.0) -> TrainingData:
+    """The held-out targets, then the training targets in their order, as many as `budget_seconds` holds (if any)."""
+    progress = Progress(None, "Computing the base model's targets", "tokens",
+                        disable=not accelerator.is_local_main_process)  # fmt: skip
+    jobs = _TargetJobs(args, base, tokenizer, accelerator, progress)
+    corpus = _prompt_source(args, tokenizer)
+    held_out = _held_out_prompts(args, tokenizer, corpus)
+    size = args.generation_batch_size
+    batches = [held_out[i : i + size] for i in range(0, len(held_out), size)]
+    evaluation = jobs.computed([jobs.continuation(b, args.eval_new_tokens, True, 0) for b in batches])
+    spent = sum(seconds for _, seconds in evaluation) / jobs.parallel
+
     with progress:
-        # A round is only started if it should end within the budget, judging by the one before.
-        while not budget_seconds or spent + last_round <= budget_seconds:
-            round_ = list(itertools.islice(jobs, world))
-            if not round_:
-                break
-            results = computed([(key, build) for key, build, _ in round_])
-            seconds = [built + extra for (_, built), (_, _, extra) in zip(results, round_)]
-            last_round = max(seconds) if parallel > 1 else sum(seconds)
-            spent += sum(seconds) / parallel
-            parts += [targets for targets, _ in results]
-            progress.update(0, positions=sum(len(p) for p in parts), minutes=f"{spent / 60:.1f}")
+        training_jobs = _training_jobs(args, base, tokenizer, corpus, jobs, held_out)
+        parts, spent = _within_budget(jobs, training_jobs, spent, budget_seconds)
     if not parts and budget_seconds:
         raise ValueError(
             f"--max-train-minutes {args.max_train_minutes:g} is spent before any training target: the held-out "
@@ -128,14 +154,14 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
     return TrainingData(Targets.concatenate(parts), Targets.concatenate([t for t, _ in evaluation]), spent)
 
 
-def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key, held_out):
+def _training_jobs(args, base, tokenizer, corpus, jobs: _TargetJobs, held_out):
     """The (key, build, extra seconds) of the training target batches, in the order they are used."""
     if args.text_tokens:
         text = Corpus(args.data, tokenizer, args.eval_fraction, args.text_field)
         rows = max(1, 2**14 // args.seq_length)  # about 16k tokens per forward
         sequences = itertools.islice(text.sequences(args.seq_length + 1), args.text_tokens // args.seq_length)
         while chunk := list(itertools.islice(sequences, rows)):
-            key = {**base_key, "kind": "text", "sequences": [s.tolist() for s in chunk]}
+            key = {**jobs.base_key, "kind": "text", "sequences": [s.tolist() for s in chunk]}
             yield key, (lambda chunk=chunk: teacher_force(base, torch.stack(chunk), args.distill_top_k)), 0.0
 
     prompts = _prompts(corpus, args, held_out=False)
@@ -147,7 +173,7 @@ def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key,
     seen_text = {normalized(p) for p in evaluation_prompts()}
     for index, chunk in enumerate(iter(lambda: list(itertools.islice(prompts, batch_size)), [])):
         seen_ids.update(tuple(p) for p in chunk)
-        yield *continuation(chunk, args.new_tokens, args.temperature == 0, args.seed * 7919 + index), 0.0
+        yield *jobs.continuation(chunk, args.new_tokens, args.temperature == 0, args.seed * 7919 + index), 0.0
 
     kept, writing = 0, 0.0  # the seconds the base spent writing prompts count with the batch that continues them
     fruitless = 0  # batches in a row that wrote no new prompt
@@ -160,8 +186,8 @@ def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key,
                 f"{kept} of the {args.synthesize_prompts} prompts asked for (--synthesize-prompts)."
             )
             break
-        key = {**base_key, "kind": "user turns", "seed": args.seed, "batch": index, "size": batch_size}
-        turns, seconds = cache.get(
+        key = {**jobs.base_key, "kind": "user turns", "seed": args.seed, "batch": index, "size": batch_size}
+        turns, seconds = jobs.cache.get(
             key, lambda: synthesize_user_turns(base, tokenizer, batch_size, args.seed * 104729 + index)
         )
         writing += seconds
@@ -174,5 +200,5 @@ def _training_jobs(args, base, tokenizer, corpus, continuation, cache, base_key,
                 kept += 1
         fruitless = 0 if rendered else fruitless + 1
         if rendered:
-            yield *continuation(rendered, args.new_tokens, args.temperature == 0, -(index + 1)), writing
+            yield *jobs.continuation(rendered, args.new_tokens, args.temperature == 0, -(index + 1)), writing
             writing = 0.0

@@ -15,7 +15,7 @@ stays identical and sampling exact: a lookup draft is a deterministic proposal, 
 import numpy as np
 import torch
 
-from .drafting import Drafts
+from .drafts import Drafts
 
 # Weight of the latest step in a source's running score: a few steps are enough to follow the text from copied to
 # free-form and back.

@@ -50,19 +50,10 @@ OPS = _find_ops()
 # fp32 kernels that sum in another order differ by 3e-6 to 2e-5 of it (measured on SmolLM2-135M).
 TOLERANCE = 1e-4
 
-# id(weight) -> (weak reference to the weight, its version, its dtype, packed copy): dropped with the weight.
-_PACKED: dict[int, tuple] = {}
-# model -> its `PackingChoice`; weakly keyed, so that a new model never inherits the timings of a freed one that lived
-# at the same address.
-_CHOICES = weakref.WeakKeyDictionary()
-# The models inside `adaptive_packing` now.
-_ACTIVE = weakref.WeakSet()
 # Forwards of each kind a shape runs before the two are compared, and how many recent ones the comparison reads.
 TRIALS, WINDOW = 3, 16
 # One forward in this many, per shape, runs the kind that measured slower, so that a change of the machine shows.
 EXPLORE_EVERY = 50
-# model -> whether its packed and plain forwards agreed (`packed_matches_plain`, asked once per model).
-_AGREES = weakref.WeakKeyDictionary()
 
 
 class PackedLinear(nn.Linear):
@@ -83,24 +74,14 @@ def _packable(model: nn.Module) -> bool:
     )
 
 
-def _packed_copy(weight: torch.Tensor) -> torch.Tensor:
-    key = id(weight)
-    entry = _PACKED.get(key)
-    if entry is None or entry[0]() is not weight or entry[1] != weight._version or entry[2] != weight.dtype:
-        with torch.no_grad():
-            packed = OPS._reorder_linear_weight(weight.detach(), None)
-        entry = (weakref.ref(weight, lambda _: _PACKED.pop(key, None)), weight._version, weight.dtype, packed)
-        _PACKED[key] = entry
-    return entry[3]
-
-
 @contextlib.contextmanager
 def packed_weights(model: nn.Module, enabled: bool = True):
     """Inside, `model`'s `nn.Linear`s multiply with packed weights (see the module docstring), if `enabled`."""
     linears = [m for m in model.modules() if type(m) is nn.Linear] if enabled and OPS and _packable(model) else []
+    weights = cpu_weights(model)
     try:
         for module in linears:
-            module.packed_weight = _packed_copy(module.weight)
+            module.packed_weight = weights.packed_copy(module.weight)
             module.__class__ = PackedLinear
         yield model
     finally:
@@ -141,13 +122,6 @@ def packed_matches_plain(model: nn.Module, inputs: torch.LongTensor | None = Non
         )
         return False
     return True
-
-
-def _agrees(model: nn.Module) -> bool:
-    """`packed_matches_plain(model)`, asked once per model (for speculative `generate()` and `fast_cpu_decoding`)."""
-    if model not in _AGREES:
-        _AGREES[model] = packed_matches_plain(model)
-    return _AGREES[model]
 
 
 class PackingChoice:
@@ -195,6 +169,50 @@ class PackingChoice:
                 for shape, t in self.times.items()}  # fmt: skip
 
 
+class CpuWeights:
+    """
+    What a model's forwards on CPU taught `adaptive_packing` and `packed_weights`, kept on the model itself
+    (`cpu_weights(model)`) so that its later calls start from there: whether its packed and plain forwards agree (asked
+    once), each shape's `PackingChoice`, and the packed copies of its weights (packing takes seconds). It dies with the
+    model; a copied or pickled model starts without it (the copy may live on another device).
+    """
+
+    def __init__(self):
+        self.agrees = None  # `packed_matches_plain(model)`, once asked
+        self.choice = PackingChoice()
+        self.copies = {}  # id(weight) -> (weak reference to the weight, its version, its dtype, packed copy)
+        self.active = False  # inside `adaptive_packing` now: an inner one leaves the choice to the outer
+
+    def __deepcopy__(self, memo):
+        return CpuWeights()
+
+    def __reduce__(self):
+        return CpuWeights, ()
+
+    def reset(self) -> None:
+        """Forgets the timings, the verdict and the packed copies: the next forwards measure again."""
+        self.agrees, self.choice, self.copies = None, PackingChoice(), {}
+
+    def packed_copy(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of `weight`, remade whenever the weight changed since it was packed."""
+        key, copies = id(weight), self.copies
+        entry = copies.get(key)
+        if entry is None or entry[0]() is not weight or entry[1] != weight._version or entry[2] != weight.dtype:
+            with torch.no_grad():
+                packed = OPS._reorder_linear_weight(weight.detach(), None)
+            entry = (weakref.ref(weight, lambda _: copies.pop(key, None)), weight._version, weight.dtype, packed)
+            copies[key] = entry
+        return entry[3]
+
+
+def cpu_weights(model: nn.Module) -> CpuWeights:
+    """`model`'s `CpuWeights`, made on first use."""
+    weights = getattr(model, "_cpu_weights", None)
+    if weights is None:
+        weights = model._cpu_weights = CpuWeights()
+    return weights
+
+
 @contextlib.contextmanager
 def adaptive_packing(model: nn.Module):
     """
@@ -205,10 +223,16 @@ def adaptive_packing(model: nn.Module):
     # Asked each time: the model may have moved to another device or dtype since it was last checked. Inside an
     # outer `adaptive_packing` of the same model, the outer one chooses.
     linears = [m for m in model.modules() if type(m) is nn.Linear]
-    if model in _ACTIVE or not (linears and _packable(model) and _agrees(model)):
+    weights = cpu_weights(model)
+    if weights.active or not (linears and _packable(model)):
         yield model
         return
-    choice = _CHOICES.setdefault(model, PackingChoice())
+    if weights.agrees is None:
+        weights.agrees = packed_matches_plain(model)
+    if not weights.agrees:
+        yield model
+        return
+    choice = weights.choice
     state = {}
 
     def set_packed(packed: bool) -> None:
@@ -227,15 +251,15 @@ def adaptive_packing(model: nn.Module):
         choice.record(state["shape"], type(linears[0]) is PackedLinear, time.perf_counter() - state["start"])
 
     hooks = []
-    _ACTIVE.add(model)
+    weights.active = True
     try:
         for module in linears:
-            module.packed_weight = _packed_copy(module.weight)
+            module.packed_weight = weights.packed_copy(module.weight)
         hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
                  model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
         yield model
     finally:
-        _ACTIVE.discard(model)
+        weights.active = False
         for hook in hooks:
             hook.remove()
         set_packed(False)
@@ -246,14 +270,7 @@ def adaptive_packing(model: nn.Module):
 def steady_forward(model: nn.Module) -> bool:
     """Whether `model`'s latest forward ran as its later ones will: not one that tried or re-measured the kind of
     weights that is not the faster (a cost model timing it would see the slower kind's time)."""
-    choice = _CHOICES.get(model)
-    return choice is None or choice.steady
-
-
-def packing_summary(model: nn.Module) -> dict:
-    """What `adaptive_packing` measured on `model` so far (see `PackingChoice.summary`); empty if nothing."""
-    choice = _CHOICES.get(model)
-    return choice.summary() if choice is not None else {}
+    return cpu_weights(model).choice.steady
 
 
 @contextlib.contextmanager

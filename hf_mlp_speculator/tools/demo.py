@@ -2,7 +2,7 @@
 plain weights (`fast_cpu_decoding`, which speculative `generate()` uses by itself on CPU), then with the speculator,
 and how they compare: the speculator's gain over the second is what the drafts themselves bring.
 
-With no model named it runs the offline default pair (see `hf_mlp_speculator.default_models`), built on first use.
+With no model named it runs the offline default pair (see `hf_mlp_speculator.tools.default_models`), built on first use.
 """
 
 import contextlib
@@ -10,9 +10,9 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from .package_data import evaluation_prompts
-from .packed_linear import fast_cpu_decoding
-from .timing import (
+from ..cpu.packed_linear import fast_cpu_decoding
+from ..utils.package_data import evaluation_prompts
+from .runs import (
     WARMUP_TOKENS,
     GenerationRun,
     add_model_arguments,
@@ -21,7 +21,6 @@ from .timing import (
     machine_description,
     token_bar,
 )
-
 
 logger = logging.get_logger(__name__)
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 CACHE_ENV = "HF_MLP_SPECULATOR_CACHE"
-PROMPTS_DIR = Path(__file__).parent / "prompts"
+PROMPTS_DIR = Path(__file__).parent.parent / "prompts"
 TRAIN_PROMPTS, EVAL_PROMPTS = PROMPTS_DIR / "train_prompts.txt", PROMPTS_DIR / "eval_prompts.txt"
 # Held out from training, and unlike the training prompts written in varied styles: what the trainer's acceptance and
 # the tuning of the default recipe were measured on. The evaluation prompts (the demo's and the benchmark's) were not.

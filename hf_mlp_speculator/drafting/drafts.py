@@ -7,12 +7,112 @@ its `TreeLayout` (each node's parent and depth), merged on the host. Chains are 
 back: a GPU runs the heads back to back.
 """
 
+import math
 from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+from typing import NamedTuple, Protocol
 
 import torch
+from torch.utils._pytree import tree_map
 
-from .host_transfer import to_host
-from .modeling_mlp_speculator import MLPSpeculator
+from ..utils.host_transfer import to_host
+
+
+class DraftKind(Enum):
+    """What a call drafts; each kind keeps its own acceptance estimate (a sampled draft is accepted less often)."""
+
+    CHAIN_GREEDY = "chain, greedy"
+    CHAIN_SAMPLED = "chain, sampled"
+    TREE = "tree"
+
+
+class DraftHeads(Protocol):
+    """
+    What drafts: a speculator's heads. `input_state` turns the verifier's hidden states `(rows, ..., hidden)` into head
+    0's state; `step(head, state, tokens)` runs head `head` on a state and the tokens before it (shaped as the state's
+    leading dimensions) and returns the next state and its logits over the vocabulary. A state is a tensor or a tuple
+    of tensors (an LSTM carries two), each with the rows, and for trees the candidates, as leading dimensions.
+    """
+
+    def input_state(self, hidden_states: torch.Tensor): ...
+
+    def step(self, head: int, state, input_ids: torch.LongTensor) -> tuple[object, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """
+    The shape of a call's trees: head `i` keeps its `top_k[i]` likeliest tokens on every branch, and the `n_candidates`
+    likeliest paths are verified (IBM's tree drafting), over `num_heads` heads.
+    """
+
+    top_k: tuple[int, ...]
+    n_candidates: int
+    num_heads: int
+
+    def __post_init__(self):
+        top_k = self.top_k
+        if len(top_k) < self.num_heads:
+            raise ValueError(
+                f"top_k_tokens_per_head={list(top_k)} needs one positive branching factor for each of the "
+                f"{self.num_heads} heads that draft."
+            )
+        leaves = math.prod(top_k[: self.num_heads])
+        if not 1 <= self.n_candidates <= leaves:
+            raise ValueError(
+                f"n_candidates={self.n_candidates} must be between 1 and the {leaves} paths of the "
+                f"top_k_tokens_per_head={list(top_k[: self.num_heads])} tree."
+            )
+
+    @classmethod
+    def for_call(cls, config, num_heads: int, n_candidates=None, top_k_tokens_per_head=None) -> "TreeSpec | None":
+        """The tree a call asks for with either argument (the other from the speculator's `config`), or None."""
+        if n_candidates is None and top_k_tokens_per_head is None:
+            return None
+        if n_candidates is not None and (not _is_int(n_candidates) or n_candidates < 1):
+            raise ValueError(
+                f"n_candidates={n_candidates!r}: a tree keeps that many candidate paths, so it must be a positive "
+                f"integer (the speculator's own is {config.n_candidates})."
+            )
+        top_k = top_k_tokens_per_head if top_k_tokens_per_head is not None else config.top_k_tokens_per_head
+        if not isinstance(top_k, (list, tuple)) or not all(_is_int(k) and k > 0 for k in top_k):
+            raise ValueError(
+                f"top_k_tokens_per_head={top_k!r}: give a list of positive integers, one branching factor per head "
+                f"(the speculator's own is {config.top_k_tokens_per_head})."
+            )
+        return cls(tuple(top_k), config.n_candidates if n_candidates is None else n_candidates, num_heads)
+
+    def new_tokens(self, depth: int) -> int:
+        """The nodes a tree `depth` deep verifies per row: its root and up to `n_candidates` nodes per depth."""
+        return 1 + sum(min(self.n_candidates, math.prod(self.top_k[:d])) for d in range(1, depth + 1))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class HostDrafts(NamedTuple):
+    """
+    A step's drafts as the host reads them back (see `Drafts.to_read`), per row: `limits` (drafts along its deepest
+    path), `confidences` (a chain's, one per draft; None for a tree or a plain step), `nonfinite` (whether a head's
+    logits were not finite), and `tokens` (node 0 the last emitted token; None where nobody asked for them).
+    """
+
+    limits: list[int]
+    confidences: list[list[float]] | None
+    nonfinite: list[bool]
+    tokens: list[list[int]] | None
+
+    def drafts(self, row: int) -> list[int]:
+        """Row `row`'s drafts along a chain, up to its limit (none where the tokens were not read: a plain step)."""
+        return [] if self.tokens is None else self.tokens[row][1 : self.limits[row] + 1]
+
+    def until_eos(self, eos_ids: set[int]) -> "HostDrafts":
+        """Each row's chain ended at its first end-of-sequence draft: nothing after it could be emitted."""
+        ends = [next((i + 1 for i, token in enumerate(self.drafts(row)) if token in eos_ids), limit)
+                for row, limit in enumerate(self.limits)]  # fmt: skip
+        return self._replace(limits=ends)
 
 
 @dataclass
@@ -30,6 +130,7 @@ class TreeLayout:
     valid: torch.BoolTensor
     host_depths: list[list[int]]
 
+    @cached_property
     def ancestors(self) -> torch.BoolTensor:
         """`(rows, nodes, nodes)`: `[b, q, j]` is True when node `j` is node `q` or one of its ancestors."""
         rows, nodes = self.parents.shape
@@ -81,6 +182,15 @@ class Drafts:
         """The depth of each node of `row`, on the host."""
         return self.tree.host_depths[row] if self.tree is not None else list(range(self.num_nodes))
 
+    def to_read(self, tokens: bool = False) -> tuple:
+        """The tensors the host reads back for `HostDrafts.read` (with the tokens, if `tokens`)."""
+        return self.limits, self.confidences, self.nonfinite, self.tokens if tokens else None
+
+    @staticmethod
+    def read(limits, confidences, nonfinite, tokens) -> HostDrafts:
+        """A `HostDrafts` from the host values of `to_read`'s tensors."""
+        return HostDrafts(limits, confidences, [bool(b) for b in nonfinite or [0] * len(limits)], tokens)
+
     def cut(self, depth: int) -> "Drafts":
         """A chain ended after `depth` drafts in every row."""
         return Drafts(self.tokens[:, : depth + 1], self.limits.clamp(max=depth), depth,
@@ -92,7 +202,7 @@ def plain_step(last_tokens: torch.LongTensor) -> Drafts:
     return Drafts(last_tokens[:, None], torch.zeros_like(last_tokens), 0)
 
 
-def draft_chain(heads: MLPSpeculator, hidden, last_tokens, limits, depth: int, process=None, select=None,
+def draft_chain(heads: DraftHeads, hidden, last_tokens, limits, depth: int, process=None, select=None,
                 confidence_threshold: float = 0.0) -> Drafts:  # fmt: skip
     """
     Drafts `depth` heads for every row and keeps `limits[b]` of them for row `b` (all `depth` where `limits` is
@@ -114,7 +224,7 @@ def draft_chain(heads: MLPSpeculator, hidden, last_tokens, limits, depth: int, p
     token = last_tokens
     drafts, confidences = [], []
     for head in range(depth):
-        state, logits = heads.step(head, state, token.to(state.device))
+        state, logits = heads.step(head, state, token.to(_device(state)))
         scores = logits.to(device)
         if process is not None or select is not None:  # the distribution a sample is drawn from, exactly in fp32
             scores = scores.float() if process is None else process(scores.float(), drafts)
@@ -134,23 +244,22 @@ def draft_chain(heads: MLPSpeculator, hidden, last_tokens, limits, depth: int, p
     return Drafts(torch.stack([last_tokens, *drafts], dim=1), limits, depth, confidences, broken.any(dim=1))
 
 
-def draft_tree(
-    heads: MLPSpeculator, hidden, last_tokens, limits, depth: int, top_k: list[int], n_candidates: int
-) -> Drafts:
+def draft_tree(heads: DraftHeads, hidden, last_tokens, limits, depth: int, tree: TreeSpec) -> Drafts:
     """
-    IBM's tree drafting: head `i` keeps its `top_k[i]` most likely tokens on every branch, the log-probabilities add
-    up along each path, and the `n_candidates` most likely full paths become the tree (shared prefixes merged), cut to
-    `limits[b]` drafts deep in row `b` (`depth` where None). A row whose head gives non-finite logits keeps the drafts
-    before that head.
+    IBM's tree drafting (`tree`): head `i` keeps its `top_k[i]` most likely tokens on every branch, the
+    log-probabilities add up along each path, and the `n_candidates` most likely full paths become the tree (shared
+    prefixes merged), cut to `limits[b]` drafts deep in row `b` (`depth` where None). A row whose head gives non-finite
+    logits keeps the drafts before that head. A state of several tensors (`DraftHeads`) branches with its candidates.
     """
     if not depth:
         return plain_step(last_tokens)
-    rows = hidden.shape[0]
-    state = heads.input_state(hidden)[:, None]
-    token = last_tokens[:, None].to(state.device)
-    scores = torch.zeros(rows, 1, device=state.device)
+    rows, top_k = hidden.shape[0], tree.top_k
+    state = tree_map(lambda part: part[:, None], heads.input_state(hidden))  # (rows, candidates, ...)
+    device = _device(state)
+    token = last_tokens[:, None].to(device)
+    scores = torch.zeros(rows, 1, device=device)
     paths = token.new_zeros(rows, 1, 0)
-    ends = torch.full((rows,), depth, device=state.device)
+    ends = torch.full((rows,), depth, device=device)
     for head in range(depth):
         state, logits = heads.step(head, state, token)
         broken = ~torch.isfinite(logits).flatten(1).all(dim=-1)
@@ -160,13 +269,18 @@ def draft_tree(
         scores = (scores[..., None] + best.values).flatten(1)
         token = best.indices.flatten(1)
         paths = torch.cat([paths.repeat_interleave(top_k[head], dim=1), token[..., None]], dim=-1)
-        state = state.repeat_interleave(top_k[head], dim=1)
-    chosen = scores.topk(min(n_candidates, scores.shape[1]), dim=-1).indices
+        state = tree_map(lambda part, k=top_k[head]: part.repeat_interleave(k, dim=1), state)
+    chosen = scores.topk(min(tree.n_candidates, scores.shape[1]), dim=-1).indices
     candidates = paths.gather(1, chosen[..., None].expand(-1, -1, paths.shape[-1]))
     ends = ends.to(last_tokens.device)
     drafts = tree_from_candidates(candidates, last_tokens, ends if limits is None else torch.minimum(limits, ends))
     drafts.nonfinite = ends < depth
     return drafts
+
+
+def _device(state) -> torch.device:
+    """The device of a state: a tensor, or a tuple of tensors on one device."""
+    return state.device if isinstance(state, torch.Tensor) else state[0].device
 
 
 def tree_from_candidates(candidates: torch.LongTensor, last_tokens, limits) -> Drafts:

@@ -15,7 +15,6 @@ Everything here runs on the host, in Python and numpy: timings arrive as floats,
 
 import math
 import time
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,19 +110,8 @@ class AcceptanceEstimate:
                 self.accepted[head, b] += float(head < accepted)
 
 
-_ACCEPTANCE = weakref.WeakKeyDictionary()  # speculator -> {kind: AcceptanceEstimate}, kept across calls
-
-
-def acceptance_for(speculator, kind: str) -> AcceptanceEstimate:
-    """The process's running estimate of `speculator` for `kind` of drafts (chain or tree, greedy or sampled)."""
-    estimates = _ACCEPTANCE.setdefault(speculator, {})
-    if kind not in estimates:
-        estimates[kind] = AcceptanceEstimate(speculator.config.n_predict)
-    return estimates[kind]
-
-
 @dataclass
-class Step:
+class StepPlan:
     """What a step's timings are recorded against: the cache length and cost model it ran at, and its forced depth."""
 
     cache_length: int
@@ -143,20 +131,20 @@ class SpeculationController:
     """
 
     def __init__(self, cost_models, acceptance: AcceptanceEstimate, cap: int, new_tokens=lambda d: d + 1,
-                 schedule: str | None = None):  # fmt: skip
+                 fixed_depth: int | None = None):  # fmt: skip
         # `cost_models(rows)`: the cost model for a batch of `rows` (rows leave a batch as they finish).
         self.cost_models, self.acceptance, self.cap, self.new_tokens = {}, acceptance, cap, new_tokens
         self.cost_model_for = cost_models
-        # transformers' `num_assistant_tokens_schedule`: "constant" drafts `cap` heads every step, as vLLM's
-        # `num_speculative_tokens` does; any other (None, "heuristic", "heuristic_transient") is cost-aware.
-        self.constant = schedule == "constant"
+        # A fixed depth (the "constant" schedule, or a pair's `FixedDepth` policy) drafts that many heads every step,
+        # as vLLM's `num_speculative_tokens` does; None: cost-aware.
+        self.fixed_depth = None if fixed_depth is None else min(fixed_depth, cap)
         self.step = None
         self.depth_counts = [0] * (cap + 1)
         self.verify_seconds = [0.0] * (cap + 1)
         self.draft_runs, self.draft_seconds = [0] * cap, [0.0] * cap
         self.step_start = None
 
-    def step_costs(self, depth: int = 0, step: "Step | None" = None) -> list[float] | None:
+    def step_costs(self, depth: int = 0, step: "StepPlan | None" = None) -> list[float] | None:
         """
         Seconds of a step (this one unless given) ending at each depth `depth .. cap`; None while a depth has no
         timing to go on.
@@ -177,8 +165,8 @@ class SpeculationController:
         self.step_start = now
         if rows not in self.cost_models:
             self.cost_models[rows] = self.cost_model_for(rows)
-        self.step = Step(cache_length, self.cost_models[rows])
-        self.step.forced = self.cap if self.constant else self._forced_depth()
+        self.step = StepPlan(cache_length, self.cost_models[rows])
+        self.step.forced = self.fixed_depth if self.fixed_depth is not None else self._forced_depth()
         if self.step.forced is not None:
             return self.step.forced
         return best_depth(np.ones((rows, 0)), [self.acceptance.mean(h) for h in range(self.cap)], self.step_costs())
@@ -208,14 +196,14 @@ class SpeculationController:
                 return j
         return depth
 
-    def record_drafts(self, step: Step, heads: int, seconds: float) -> None:
+    def record_drafts(self, step: StepPlan, heads: int, seconds: float) -> None:
         """Records `heads` draft heads of `step` that ran back to back in `seconds`: heads have the same shape."""
         for head in range(heads):
             step.cost_model.record_draft(head, seconds / heads)
             self.draft_runs[head] += 1
             self.draft_seconds[head] += seconds / heads
 
-    def end_step(self, step: "Step", depth: int, verify_seconds: float, new_tokens: int | None = None,
+    def end_step(self, step: "StepPlan", depth: int, verify_seconds: float, new_tokens: int | None = None,
                  steady: bool = True) -> None:  # fmt: skip
         """
         Records the verifier forward of `step` (what `start_step` left in `self.step`), which drafted `depth` heads

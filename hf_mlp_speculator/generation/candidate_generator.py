@@ -5,9 +5,10 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.utils import ModelOutput
 
-from .drafter import Drafter
-from .host_transfer import to_host
-from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from ..drafting.drafter import Drafter, StepRecord
+from ..drafting.drafts import Drafts, HostDrafts
+from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from ..utils.host_transfer import to_host
 
 
 class MLPSpeculatorCandidateGenerator(CandidateGenerator):
@@ -40,23 +41,23 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         verifier=None,
     ):
         self.speculator = speculator
-        self.do_sample = generation_config.do_sample
         self.draft_scores = []  # the processed scores each draft of this round was sampled from
         self.logits_processor = logits_processor
-        self.max_length = generation_config.max_length
-        eos = generation_config.eos_token_id
-        self.eos_token_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-        kind = "chain, sampled" if self.do_sample else "chain, greedy"
         verifier = verifier if verifier is not None else speculator
-        self.drafter = Drafter(verifier, speculator, generation_config, 1, kind)
-        self.metrics = self.drafter.metrics[0]
+        self.drafter = Drafter(verifier, speculator, generation_config, 1, picker=self,
+                               logits_processor=logits_processor)  # fmt: skip
+        self.drafter.finish()  # the call's metrics are on the speculator from the start
         # Ask the verifier for its last layer only, unless the user asked for all layers: replacing their request
         # would break the per-token split of `hidden_states` in the output.
         self.model_kwargs_overrides = {} if generation_config.output_hidden_states else {"output_hidden_states": -1}
-        self.num_drafted = 0  # drafts of the round now being verified; 0 during prefill
         self.in_prefill = True
-        self.step = self.verify_mark = None
-        self.host_tokens, self.drafts, self.confidences, self.nonfinite = [], [], None, False
+        self.step = self.verify_mark = self.drafts = None
+        self.host_tokens = []
+
+    @property
+    def num_drafted(self) -> int:
+        """Drafts of the round now being verified; 0 during prefill."""
+        return self.drafts.limits[0] if self.drafts is not None else 0
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -76,46 +77,34 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
         # from the wrong row, silently; tests/test_pruning.py checks the rows themselves on every supported release.
         if is_first_iteration:
             # Nothing to draft from yet: let the prefill forward emit one token and give us its hidden state.
-            self.in_prefill, self.num_drafted = True, 0
+            self.in_prefill, self.drafts = True, None
             return input_ids, None
         last_hidden = model_outputs.hidden_states[-1]
         rejected = self.num_drafted - n_last_matches
         hidden = last_hidden[:, last_hidden.shape[1] - 1 - rejected]
 
-        # Never draft a token the verifier could not emit: its forward also adds one token of its own.
-        room = max(0, self.max_length - input_ids.shape[1] - 1)
-        self.step = self.drafter.start_step(input_ids.shape[1] - 1, [self.host_tokens], [0], [room])
+        self.step = self.drafter.start_step(input_ids.shape[1] - 1, [0], [input_ids.shape[1]], [self.host_tokens])
         self.input_ids, self.draft_scores = input_ids, []
-        chain = self.drafter.draft(self.step, hidden, input_ids[:, -1], None, min(self.drafter.num_heads, room),
-                                   self.process, self.select if self.do_sample else None)  # fmt: skip
-        self.num_drafted, self.confidences, self.nonfinite, self.drafts = 0, None, False, []
+        chain = self.drafter.draft(self.step, hidden, input_ids[:, -1])
+        self.drafts = HostDrafts([0], None, [False], None)  # a plain step: nothing to read
         if chain.num_nodes > 1:
-            # One transfer: the drafts and what ends them (an unsure draft, non-finite logits, the controller).
-            tokens, (count,), confidences, nonfinite = to_host(chain.tokens, chain.limits, chain.confidences,
-                                                               chain.nonfinite)  # fmt: skip
-            drafts = tokens[0][1 : count + 1]
-            # Nothing after an end-of-sequence draft could be emitted. Ending the chain there also keeps transformers
-            # before 5.18 lossless: its assisted decoding stops at an end-of-sequence token only when it comes last.
-            ends = [i for i, token in enumerate(drafts) if token in self.eos_token_ids]
-            self.drafts = drafts[: ends[0] + 1] if ends else drafts
-            self.num_drafted, self.nonfinite = len(self.drafts), bool(nonfinite and nonfinite[0])
-            self.confidences = None if confidences is None else [confidences[0][: self.num_drafted]]
+            # One transfer. Nothing after an end-of-sequence draft could be emitted; ending the chain there also keeps
+            # transformers before 5.18 lossless: its assisted decoding stops at one only when it comes last.
+            self.drafts = Drafts.read(*to_host(*chain.to_read(tokens=True))).until_eos(self.drafter.eos_ids)
         self.verify_mark = self.drafter.start_verify()
         if not self.num_drafted:  # a plain step
             return input_ids, None
         candidates = chain.tokens[:, 1 : self.num_drafted + 1]
         logits = None  # greedy: transformers checks the drafts against its own argmax
-        if self.do_sample and self.step.from_lookup[0]:  # a deterministic proposal: q is one-hot
+        if self.drafter.sampled and self.step.from_lookup[0]:  # a deterministic proposal: q is one-hot
             logits = torch.full((1, self.num_drafted, self.speculator.config.vocab_size), float("-inf"),
                                 device=candidates.device).scatter_(-1, candidates[..., None], 0.0)  # fmt: skip
-        elif self.do_sample:
+        elif self.drafter.sampled:
             logits = torch.stack(self.draft_scores[: self.num_drafted], dim=1)
         return torch.cat([input_ids, candidates], dim=-1), logits
 
-    def process(self, scores: torch.FloatTensor, drafts: list) -> torch.FloatTensor:
+    def process_drafts(self, scores: torch.FloatTensor, drafts: list) -> torch.FloatTensor:
         """The logits processors, as the verifier will apply them after the drafts so far."""
-        if not self.logits_processor:
-            return scores
         ids = self.input_ids if not drafts else torch.cat([self.input_ids, torch.stack(drafts, dim=1)], dim=1)
         return self.logits_processor(ids, scores)
 
@@ -127,7 +116,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         if not self.in_prefill:
             self.drafter.stop_verify(self.step, self.verify_mark)
-        emitted = None
+        emitted = []
         if self.drafter.hybrid is not None:  # lookup reads the text on the host: the one read of the device it adds
             emitted = input_ids[0, len(self.host_tokens) :].tolist()
             self.host_tokens += emitted
@@ -135,9 +124,7 @@ class MLPSpeculatorCandidateGenerator(CandidateGenerator):
             self.in_prefill = False
             return
         num_matches = int(num_matches)  # an int from transformers 5.18 or so on; a tensor, read here, before
-        self.drafter.end_step(self.step, [0], [self.num_drafted], [num_matches], [num_matches + 1],
-                              self.confidences, [self.nonfinite], self.num_drafted + 1, [self.drafts],
-                              emitted and [emitted])  # fmt: skip
+        emitted = emitted or [0] * (num_matches + 1)  # only their count matters without lookup
+        self.drafter.end_step(self.step, StepRecord([0], self.drafts, [num_matches], [emitted], self.num_drafted + 1))
         # transformers has read the verifier's output to count the matches: its forward is done, waiting costs nothing.
-        self.drafter.stopwatch.poll(wait=True)
-        self.drafter.controller.report_to(self.metrics)
+        self.drafter.finish()

@@ -17,10 +17,9 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
-from .metrics import SpeculationMetrics
-from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
-from .progress import Progress
-
+from ..drafting.metrics import SpeculationMetrics
+from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+from ..utils.progress import Progress
 
 logger = logging.get_logger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from .package_data import (  # noqa: F401 (re-exported: the default pair's files)
+from ..utils.package_data import (  # noqa: F401 (re-exported: the default pair's files)
     CACHE_ENV,
     EVAL_PROMPTS,
     GROUNDED_PROMPTS,
@@ -39,7 +39,6 @@ from .package_data import (  # noqa: F401 (re-exported: the default pair's files
     grounded_prompts,
     read_prompts,
 )
-
 
 logger = logging.get_logger(__name__)
 
@@ -228,7 +227,7 @@ def default_speculator(base_model: Path | None = None) -> Path:
     run_dir = target.parent / f".{target.name}.training-{hashlib.sha256(repr(manifest).encode()).hexdigest()[:12]}"
 
     def build(workdir: Path) -> Path:
-        from .training import SpeculatorTrainingArguments, train
+        from ..training import SpeculatorTrainingArguments, train
 
         prompts = write_chat_prompts(tokenizer, TRAIN_PROMPTS, run_dir / "data" / "chat_prompts.jsonl")
         validation = write_chat_prompts(tokenizer, VALIDATION_PROMPTS, run_dir / "data" / "validation_prompts.jsonl")
@@ -257,8 +256,8 @@ def default_speculator(base_model: Path | None = None) -> Path:
 
 def untrained_speculator(base_config):
     """A speculator of the default shape for `base_config` with random weights: it times the machinery, no more."""
-    from .configuration_mlp_speculator import MLPSpeculatorConfig
-    from .modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
+    from ..models.configuration_mlp_speculator import MLPSpeculatorConfig
+    from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 
     text_config = base_config.get_text_config()
     shape = dict(SPECULATOR_SHAPE)

@@ -5,17 +5,13 @@ Whether a draft pays depends on the hardware: on a CPU a verifier forward over `
 call is timed, and the controller (`controller.py`) reads the medians of the recent timings. Only ratios between
 these costs decide anything, so a uniformly slow spell of a shared machine changes no choice.
 
-A cost model lives for the process, one per (verifier, device, dtype, batch bucket): a later call at the same batch
-size starts with what the earlier ones measured.
+A pair's `SpeculationState` keeps one cost model per (device, dtype, batch bucket) of the verifier: a later call at the
+same batch size starts with what the earlier ones measured.
 """
 
 import math
 import statistics
-import time
-import weakref
 from collections import defaultdict, deque
-
-import torch
 
 # Recent timings kept per measured quantity: enough for a stable median, few enough to follow a change of load.
 WINDOW = 16
@@ -137,60 +133,3 @@ class CostModel:
             "verify_seconds_by_new_tokens": {m: statistics.median(t) for m, t in sorted(by_m.items())},
             "draft_seconds_by_head": {h: statistics.median(t) for h, t in sorted(self.draft.items())},
         }
-
-
-# model -> {(device, dtype, batch bucket, variant): CostModel}. Weakly keyed: a model's timings die with it, and a new
-# model can never inherit those of a freed one that happened to live at the same address.
-_COST_MODELS = weakref.WeakKeyDictionary()
-
-
-def cost_model_for(model, batch_size: int, variant: str = "") -> CostModel:
-    """The process's cost model for `model` at this batch size; `variant` separates e.g. packed from plain weights."""
-    param = next(model.parameters())
-    key = (str(param.device), str(param.dtype), batch_bucket(batch_size), variant)
-    models = _COST_MODELS.setdefault(model, {})
-    if key not in models:
-        models[key] = CostModel()
-    return models[key]
-
-
-class Stopwatch:
-    """
-    Times work on a device without waiting for it. `start()` marks the beginning, `stop(mark)` the end, and
-    `report(timing, done)` calls `done(seconds)` once the time is known. On CUDA the marks are events, read once the
-    device has passed them (a step or so later) and never waited for; elsewhere the work is done when the call returns,
-    so the wall clock is exact at once.
-    """
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.pending = []  # (start event, end event, done) not read yet, in the order the device runs them
-
-    def start(self):
-        if not self.cuda:
-            return time.perf_counter()
-        mark = torch.cuda.Event(enable_timing=True)
-        mark.record(torch.cuda.current_stream(self.device))  # the model's device, not the current one
-        return mark
-
-    def stop(self, mark):
-        if not self.cuda:
-            return time.perf_counter() - mark
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
-        return mark, end
-
-    def report(self, timing, done) -> None:
-        if not self.cuda:
-            done(timing)
-            return
-        self.pending.append((*timing, done))
-        self.poll()
-
-    def poll(self, wait: bool = False) -> None:
-        """Hands over the timings whose work has finished (all of them, waiting for the device, if `wait`)."""
-        while self.pending and (wait or self.pending[0][1].query()):
-            start, end, done = self.pending.pop(0)
-            end.synchronize()
-            done(start.elapsed_time(end) / 1000)

@@ -24,12 +24,13 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from .training.documents import iter_documents, left_padded
-from .package_data import evaluation_prompts, grounded_prompts
-from .kv_cache import cache_kwargs, output_cache
-from .packed_linear import fast_cpu_decoding, packed_weights
-from .progress import Progress
-from .timing import (
+from ..cpu.packed_linear import fast_cpu_decoding, packed_weights
+from ..generation.transformers_hooks import cache_kwargs, output_cache
+from ..utils.batching import left_padded
+from ..utils.data_sources import iter_documents
+from ..utils.package_data import evaluation_prompts, grounded_prompts
+from ..utils.progress import Progress
+from .runs import (
     WARMUP_TOKENS,
     GenerationRun,
     add_model_arguments,
@@ -81,7 +82,10 @@ def add_arguments(parser) -> None:
         help="Cache length of the --verify-cost forwards (default: %(default)s).",
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=20, help="Timed repeats per --verify-cost measurement (default: %(default)s)."
+        "--repeats",
+        type=positive_int,
+        default=20,
+        help="Timed repeats per --verify-cost measurement (default: %(default)s).",
     )
     parser.add_argument(
         "--batch-sizes",

@@ -1,0 +1,1 @@
+"""Packed or plain weights on CPU, forward by forward, whichever measures faster."""

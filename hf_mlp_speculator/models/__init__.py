@@ -1,0 +1,1 @@
+"""The speculator models, in transformers' layout: the configuration as plain data, and the modules."""

@@ -1,0 +1,1 @@
+"""Small helpers shared by decoding, the tools and the trainer."""
