@@ -2,16 +2,19 @@
 
     python benchmarks/training_curve.py curve [--minutes 5 10 20 40]
     python benchmarks/training_curve.py ablation [--minutes 10]
+    python benchmarks/training_curve.py architecture [--minutes 10]
 
 `curve` trains the default recipe (`default_models.SPECULATOR_TRAINING`) with each `--max-train-minutes` budget;
-`ablation` trains it at one budget as it is and with one piece changed at a time. Every speculator is then measured
+`ablation` trains it at one budget as it is and with one piece changed at a time; `architecture` trains it at one
+budget with MLP heads and with Arctic's LSTM heads. Every speculator is then measured
 where it counts: `generate(assistant_model=speculator)` on the held-out evaluation prompts (which no training step and
 no tuning saw), greedy, 64 new tokens, every head drafting every step (`assistant_confidence_threshold=0`): tokens per
 verifier step and per-head acceptance, against the trainer's own held-out figure (on the validation prompts).
 
 Runs share the target cache, so a longer budget reuses what a shorter one computed; budgets count cached targets at
 the time they took to compute, so each run trains as it would from scratch. Results go to
-`bench_results/training_curve.{json,md,png}` or `bench_results/ablation.{json,md}`.
+`bench_results/training_curve.{json,md,png}`, `bench_results/ablation.{json,md}` or
+`bench_results/architecture.{json,md}`.
 """
 
 import argparse
@@ -43,6 +46,7 @@ ABLATIONS = {
     "3. full vocabulary instead of 2048 draft tokens": {"draft_vocab_size": 0},
     "4. no prompts written by the base (Magpie)": {"synthesize_prompts": 0},
 }
+ARCHITECTURES = {"MLP heads": {"architecture": "mlp"}, "LSTM heads": {"architecture": "lstm"}}
 
 
 def measure(base, tokenizer, speculator_dir: Path, num_prompts: int, new_tokens: int = 64) -> dict:
@@ -55,12 +59,15 @@ def measure(base, tokenizer, speculator_dir: Path, num_prompts: int, new_tokens:
                       assistant_confidence_threshold=0.0)  # fmt: skip
         metrics = speculator.speculation_metrics
         total = metrics if total is None else total + metrics
-    log = json.loads((speculator_dir / "trainer_state.json").read_text())["log_history"][-1]
+    history = json.loads((speculator_dir / "trainer_state.json").read_text())["log_history"]
+    log = history[-1]
+    speeds = [entry["train/positions_per_second"] for entry in history if "train/positions_per_second" in entry]
     return {
         "tokens_per_step": total.mean_tokens_per_step,
         "head_acceptance": total.head_acceptance_rates,
         "validation_tokens_per_step": log["eval/tokens_per_step"],
         "positions_trained": log["step"] * SPECULATOR_TRAINING["batch_size"],
+        "positions_per_second": speeds[-1] if speeds else None,
     }
 
 
@@ -89,14 +96,15 @@ def run(name: str, minutes: float, overrides: dict, work: Path, base, tokenizer,
 def table(rows: list[dict], first: str) -> str:
     lines = [
         f"| {first} | tokens/step on evaluation prompts | per-head acceptance | validation tokens/step "
-        "| positions trained |",
-        "|---|---:|---|---:|---:|",
+        "| positions trained | positions/s |",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         key = f"{r['minutes']:g} min" if first == "budget" else r["name"]
         heads = ", ".join(f"{a:.2f}" for a in r["head_acceptance"])
+        speed = f"{r['positions_per_second']:.0f}" if r.get("positions_per_second") else "-"
         lines.append(f"| {key} | {r['tokens_per_step']:.2f} | {heads} | {r['validation_tokens_per_step']:.2f} | "
-                     f"{r['positions_trained']} |")  # fmt: skip
+                     f"{r['positions_trained']} | {speed} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +128,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["curve", "ablation"])
+    parser.add_argument("mode", choices=["curve", "ablation", "architecture"])
     parser.add_argument("--minutes", type=float, nargs="+")
     parser.add_argument("--num-prompts", type=int, default=32, help="Evaluation prompts measured (default: 32).")
     parser.add_argument("--work-dir", default="bench_results/training_runs")
@@ -136,9 +144,10 @@ def main(argv=None) -> int:
         plot(rows, output_dir / "training_curve.png")
     else:
         minutes = (args.minutes or [SPECULATOR_TRAINING["max_train_minutes"]])[0]
-        rows = [run(f"{name} ({minutes:g} min)", minutes, overrides, work, base, tokenizer, args.num_prompts)
-                for name, overrides in ABLATIONS.items()]  # fmt: skip
-        markdown, name = table(rows, "recipe"), "ablation"
+        variants, name = (ABLATIONS, "ablation") if args.mode == "ablation" else (ARCHITECTURES, "architecture")
+        rows = [run(f"{variant} ({minutes:g} min)", minutes, overrides, work, base, tokenizer, args.num_prompts)
+                for variant, overrides in variants.items()]  # fmt: skip
+        markdown = table(rows, "recipe")
     (output_dir / f"{name}.json").write_text(json.dumps(rows, indent=2))
     (output_dir / f"{name}.md").write_text(markdown)
     print(markdown)

@@ -17,6 +17,7 @@ from .generation.mixin import MLPSpeculatorGenerationMixin, enable_mlp_speculato
 from .models.configuration_mlp_speculator import MLPSpeculatorConfig
 from .models.modeling_mlp_speculator import MLPSpeculatorOutput, MLPSpeculatorPreTrainedModel
 from .tools import default_models  # the offline default pair, for examples and demos
+from .tools.export import export_speculator
 
 AutoConfig.register(MLPSpeculatorConfig.model_type, MLPSpeculatorConfig, exist_ok=True)
 AutoModel.register(MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, exist_ok=True)
@@ -35,6 +36,7 @@ __all__ = [
     "SpeculationState",
     "default_models",
     "enable_mlp_speculator",
+    "export_speculator",
     "fast_cpu_decoding",
     "install",
     "speculation_state",

@@ -148,6 +148,12 @@ def test_untied_heads_shard_layer_by_layer_and_match_one_process(toy, unbroken, 
     assert "speculator.emb.1.weight" in compare_with_one_process(toy, unbroken / "cache", tmp_path, tie_weights=False)
 
 
+def test_lstm_heads_shard_and_match_one_process(toy, unbroken, tmp_path):
+    """An LSTM's embedding and output layer sit under several names each: FSDP shards, gathers and saves them once."""
+    one = compare_with_one_process(toy, unbroken / "cache", tmp_path, architecture="lstm")
+    assert "speculator.cell_proj.1.weight" in one and "speculator.head.1.weight" not in one
+
+
 def test_the_published_speculator_is_whole_and_lossless(toy, unbroken):
     speculator = AutoModel.from_pretrained(unbroken / "fsdp")
     base = AutoModelForCausalLM.from_pretrained(toy / "base")

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 
@@ -17,7 +18,9 @@ def test_gpu_check_dry_run(tmp_path):
         assert set(row["verify_ms_by_new_tokens"]) == {"1", "2", "3", "4", "5"} and len(row["head_ms"]) == 4
         assert len(row["predicted_speedup"]) == 4 and all(x > 0 for x in row["predicted_speedup"])
         assert set(row["depths"]) == {"0", "1", "2", "3", "4"}
-        assert all(d["plain_steps"] > 0 and d["efficiency"] > 0 for d in row["depths"].values())
+        # A step's time is a difference of two calls' times, which a loaded CPU can make negative: the dry run checks
+        # that each depth was measured, the device run what it measured.
+        assert all(math.isfinite(d["plain_steps"]) and math.isfinite(d["efficiency"]) for d in row["depths"].values())
     assert [row["call"] for row in results["first_call"]] == ["first", "second"]
     assert all(row["identical"] for row in results["first_call"])
     assert [row["batch"] for row in results["end_to_end"]] == [1, 8]

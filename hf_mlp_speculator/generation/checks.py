@@ -37,9 +37,10 @@ def _check_pair(model, speculator) -> None:
     text_config, spec_config = model.config.get_text_config(), speculator.config
     base = spec_config.base_model_name_or_path
     trained_for = f" (it was trained for {base})" if base else ""
-    if spec_config.emb_dim != text_config.hidden_size:
+    if spec_config.verifier_hidden_size != text_config.hidden_size:
+        field = "input_hidden_dim" if spec_config.is_lstm else "emb_dim"
         raise ValueError(
-            f"The speculator's emb_dim is {spec_config.emb_dim} but the model's hidden_size is "
+            f"The speculator's {field} is {spec_config.verifier_hidden_size} but the model's hidden_size is "
             f"{text_config.hidden_size}: this speculator was trained for another base model{trained_for}. Use a "
             "speculator trained for this model, or train one with `hf-mlp-speculator train`."
         )

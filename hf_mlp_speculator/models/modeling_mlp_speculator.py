@@ -9,6 +9,9 @@ token, and predicts one more token:
 Parameter names match the published checkpoints (`speculator.emb.{i}.weight`, ...), which vLLM and TGI read as well.
 A speculator with a reduced draft vocabulary (`config.draft_vocab_size`) adds one tensor, `speculator.draft_vocab`: the
 base ids its heads score.
+
+`MLPSpeculatorPreTrainedModel` holds these heads, or Arctic's LSTM heads (`arctic_lstm_speculator.py`) when the config
+says `method="sum_lstm"`: one model type, as the published configs have it.
 """
 
 import math
@@ -20,107 +23,47 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput, logging
 
+from .arctic_lstm_speculator import ArcticLSTMSpeculator
 from .configuration_mlp_speculator import MLPSpeculatorConfig
+from .heads import MLPSpeculatorLayerNorm, SpeculatorHeads
 
 logger = logging.get_logger(__name__)
 
 
-class MLPSpeculatorLayerNorm(nn.Module):
-    """RMS normalisation without mean subtraction, optionally followed by `x * weight + bias` (as in fms-extras)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True):
-        super().__init__()
-        self.eps = eps
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(dim))
-            self.bias = nn.Parameter(torch.zeros(dim))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The mean of squares is taken in fp32 so that fp16/bf16 checkpoints do not overflow on large hidden states.
-        xf = x.float()
-        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
-        if self.weight is not None:
-            x = x * self.weight + self.bias
-        return x
-
-
-class MLPSpeculator(nn.Module):
-    """The heads themselves; stored under the `speculator.` prefix of the published checkpoints."""
+class MLPSpeculator(SpeculatorHeads):
+    """The MLP heads; stored under the `speculator.` prefix of the published checkpoints."""
 
     def __init__(self, config: MLPSpeculatorConfig):
-        super().__init__()
-        n, emb_dim, inner_dim, vocab = config.n_predict, config.emb_dim, config.speculator_inner_dim, config.vocab_size
-        self.n_predict = n
-        self.vocab_size = vocab
-        self.scale_input = config.scale_input
+        n, emb_dim, inner_dim = config.n_predict, config.emb_dim, config.speculator_inner_dim
+        super().__init__(config, inner_dim)
         # With `tie_weights`, MLPSpeculatorPreTrainedModel ties heads 1.. to head 0 (and proj 2.. to proj 1).
-        self.emb = nn.ModuleList([nn.Embedding(vocab, inner_dim) for _ in range(n)])
+        self.emb = nn.ModuleList([nn.Embedding(config.vocab_size, inner_dim) for _ in range(n)])
         self.proj = nn.ModuleList(
             [nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False) for i in range(n)]
         )
-        # Any token may be the last emitted one, so the embeddings always cover the whole vocabulary; only the heads'
-        # output layers shrink to the draft vocabulary.
-        draft_vocab = config.draft_vocab_size if config.reduced_draft_vocab else vocab
-        self.head = nn.ModuleList([nn.Linear(inner_dim, draft_vocab, bias=False) for _ in range(n)])
-        # The base ids the heads score; None (no checkpoint key) when they score the whole vocabulary.
-        self.register_buffer("draft_vocab", torch.arange(draft_vocab) if config.reduced_draft_vocab else None)
+        self.add_output_layers(config, inner_dim, n)
         self.ln = nn.ModuleList([MLPSpeculatorLayerNorm(inner_dim) for _ in range(n)])
-        # `ln0` has no parameters, hence no checkpoint keys.
-        self.ln0 = MLPSpeculatorLayerNorm(emb_dim, elementwise_affine=False) if config.scale_input else None
-        self.activation = nn.GELU()
-
-        # The scaling depends on the TRAINED head count: drafting with fewer heads must not change it.
-        state_weight = 0.5 ** (0.5 / n)
-        emb_weight = math.sqrt((1 - state_weight**2) * (inner_dim / 2))
-        self.emb_scale = emb_weight / state_weight
+        self.add_input_norm(config, emb_dim)
 
     def input_state(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Turns the verifier's hidden states into head 0's input state."""
-        if self.ln0 is not None:
-            hidden_states = self.ln0(hidden_states) / math.sqrt(2)
-        return hidden_states
+        return self.scaled_input(hidden_states)
 
     def draft_step(
         self, head: int, state: torch.Tensor, input_ids: torch.LongTensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs head `head` on `state` and the previous token(s); returns the next state and the head's logits over
-        the draft vocabulary."""
         state = torch.add(self.proj[head](state), self.emb[head](input_ids), alpha=self.emb_scale)
         state = self.activation(self.ln[head](state))
         return state, self.head[head](state)
 
-    def step(self, head: int, state: torch.Tensor, input_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """
-        `draft_step` with logits over the whole vocabulary, as drafting needs them. Tokens outside the draft vocabulary
-        get the dtype's minimum: no argmax picks them and softmax gives them exactly zero mass, so a sampled draft's
-        distribution is the one it was drawn from, while arithmetic on them (temperature, penalties) stays finite.
-        """
-        state, logits = self.draft_step(head, state, input_ids)
-        if self.draft_vocab is None:
-            return state, logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), torch.finfo(logits.dtype).min)
-        return state, full.index_copy_(-1, self.draft_vocab, logits)
-
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Teacher-forced logits over the draft vocabulary, `[n_predict, batch, positions, draft vocab]`."""
-        num_positions = hidden_states.shape[1]
-        state = self.input_state(hidden_states)
-        logits = []
-        for i in range(self.n_predict):
-            state, head_logits = self.draft_step(i, state, input_ids[:, i : i + num_positions])
-            logits.append(head_logits)
-        return torch.stack(logits, dim=0)
-
-    def draft_labels(self, labels: torch.LongTensor) -> torch.LongTensor:
-        """Base-id `labels` as indices into the draft vocabulary; tokens outside it (and -100) become -100."""
-        if self.draft_vocab is None:
-            return labels
-        index = torch.full((self.vocab_size,), -100, dtype=torch.long, device=labels.device)
-        index[self.draft_vocab] = torch.arange(len(self.draft_vocab), device=labels.device)
-        return torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
+    def tied_weights(self) -> dict[str, str]:
+        # Tied checkpoints store only emb.0, proj.0, proj.1, head.0 and ln.0.
+        return {
+            f"{name}.{i}.{param}": f"{name}.{int(name == 'proj')}.{param}"
+            for name, params in (("emb", ["weight"]), ("head", ["weight"]), ("ln", ["weight", "bias"]),
+                                 ("proj", ["weight"]))
+            for param in params
+            for i in range(1 + (name == "proj"), self.n_predict)
+        }
 
 
 @dataclass
@@ -158,19 +101,11 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: MLPSpeculatorConfig):
         super().__init__(config)
-        self.speculator = MLPSpeculator(config)
-        # Tied checkpoints store only emb.0, proj.0, proj.1, head.0 and ln.0; transformers ties the rest to them when
-        # loading and leaves them out when saving. (Read only when `config.tie_word_embeddings`, i.e. `tie_weights`.)
+        self.speculator = ArcticLSTMSpeculator(config) if config.is_lstm else MLPSpeculator(config)
+        # transformers ties these to their sources when loading and leaves them out when saving. (Read only when
+        # `config.tie_word_embeddings`, i.e. `tie_weights`.)
         self._tied_weights_keys = {
-            f"speculator.{name}.{i}.{param}": f"speculator.{name}.{int(name == 'proj')}.{param}"
-            for name, params in (
-                ("emb", ["weight"]),
-                ("head", ["weight"]),
-                ("ln", ["weight", "bias"]),
-                ("proj", ["weight"]),
-            )
-            for param in params
-            for i in range(1 + (name == "proj"), config.n_predict)
+            f"speculator.{key}": f"speculator.{source}" for key, source in self.speculator.tied_weights().items()
         }
         # Left here by each `generate(assistant_model=self)` call: its `SpeculationMetrics`, and one per batch row.
         self.speculation_metrics = None
@@ -236,7 +171,7 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
             heads.register_buffer("draft_vocab", torch.arange(config.vocab_size, device=heads.head[0].weight.device))
             config.draft_vocab_size = config.vocab_size
         padded = {}  # one new parameter per old one, so that embeddings sharing a weight (tie_weights) still share it
-        for module in heads.emb:
+        for module in [m for m in heads.modules() if isinstance(m, nn.Embedding)]:
             weight = module.weight
             if id(weight) not in padded:
                 new = weight.new_zeros(vocab_size, weight.shape[1])
@@ -274,6 +209,8 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
         # are let through transformers (which would name none) only to be reported here.
         output_loading_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched_sizes = kwargs.pop("ignore_mismatched_sizes", False)
+        # ArcticTraining saves the heads' own state dict, without the `speculator.` prefix.
+        kwargs["key_mapping"] = {r"^(?!speculator\.)": "speculator.", **(kwargs.get("key_mapping") or {})}
         model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
         problems = []
         if "speculator.draft_vocab" in info["missing_keys"]:
@@ -306,7 +243,8 @@ class MLPSpeculatorPreTrainedModel(PreTrainedModel):
         if problems:
             c = model.config
             raise ValueError(
-                f"The checkpoint does not match its MLPSpeculatorConfig (n_predict={c.n_predict}, "
+                f"The checkpoint does not match its MLPSpeculatorConfig ({c.method or 'MLP'}, "
+                f"n_predict={c.n_predict}, "
                 f"tie_weights={c.tie_weights}, emb_dim={c.emb_dim}, inner_dim={c.inner_dim}, "
                 f"vocab_size={c.vocab_size}): {'; '.join(problems)}. Fix config.json so that it describes the "
                 "weights, or re-save the speculator."

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from .losses import LOSSES
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+ARCHITECTURES = {"mlp": "IBM's MLPSpeculator", "lstm": "Arctic's LSTM speculator, sum_lstm"}
 
 
 @dataclass
@@ -32,7 +33,15 @@ class SpeculatorTrainingArguments:
     # The speculator.
     n_predict: int = field(default=3, metadata={"help": "Number of heads (tokens drafted per step)."})
     inner_dim: int = field(default=0, metadata={"help": "Width of the heads' state; 0 means the base hidden size."})
-    tie_weights: bool = field(default=False, metadata={"help": "Share weights across heads (needs n_predict > 1)."})
+    architecture: str = field(
+        default="mlp",
+        metadata={"help": f"The heads: {', '.join(f'{k} ({v})' for k, v in ARCHITECTURES.items())}."},
+    )
+    tie_weights: bool | None = field(
+        default=None,
+        metadata={"help": "Share weights across heads (needs n_predict > 1); default: no for mlp, yes for lstm (which "
+                  "is always tied)."},
+    )  # fmt: skip
     scale_input: bool = field(default=False, metadata={"help": "RMS-normalise the base hidden state first."})
     top_k_tokens_per_head: list[int] | None = field(
         default=None, metadata={"help": "Tree branching per head stored in the config; default 5, 4, 3, 2, 2, ..."}
@@ -167,6 +176,15 @@ class SpeculatorTrainingArguments:
             raise ValueError(f"text_tokens={self.text_tokens} needs text to teacher-force: give it with --data.")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}.")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}, got {self.architecture!r}.")
+        if self.architecture == "lstm" and self.tie_weights is False:
+            raise ValueError(
+                "architecture=lstm shares one embedding and output layer across heads, as ArcticTraining and "
+                "ArcticInference require: drop --no-tie-weights."
+            )
+        if self.tie_weights is None:
+            self.tie_weights = self.architecture == "lstm"
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}.")
         if self.dtype not in DTYPES:
@@ -195,7 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kwargs["default"] = f.default
             kwargs["help"] += f" Default: {f.default}."
-        if f.type is bool:
+        if f.type in (bool, bool | None):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif str(f.type).startswith("list"):
             kwargs["nargs"] = "+"

@@ -11,6 +11,7 @@ initial spread (std `1 / sqrt(inner_dim)`), so that the heads start from the bas
 import math
 
 import torch
+from torch import nn
 
 from .sharding import whole
 
@@ -48,7 +49,8 @@ def initialize_from_base(speculator, base) -> None:
         return weight * (std / weight.pow(2).mean().sqrt())
 
     embedding, head = rescaled(embeddings @ projection), rescaled(lm_head @ projection)
-    for module in {*heads.emb}:
-        module.weight.copy_(embedding)
+    for module in heads.modules():  # each once, however many names it has
+        if isinstance(module, nn.Embedding):
+            module.weight.copy_(embedding)
     for module in {*heads.head}:
         module.weight.copy_(head)

@@ -105,9 +105,13 @@ def make_speculator(args: SpeculatorTrainingArguments, base, targets: Targets) -
             f"draft_vocab_size={args.draft_vocab_size} is larger than the base model's vocabulary of {vocab_size} "
             f"tokens. Use at most {vocab_size}, or 0 for the whole vocabulary."
         )
+    hidden = text_config.hidden_size
+    lstm = args.architecture == "lstm"
+    # An LSTM's embeddings and gates have the heads' width; the verifier's hidden size goes to `input_hidden_dim`.
+    shape = dict(method="sum_lstm", input_hidden_dim=hidden, emb_dim=args.inner_dim or hidden, tie_lstm_embs=True)
     config = MLPSpeculatorConfig(
+        **(shape if lstm else dict(emb_dim=hidden)),
         vocab_size=vocab_size,
-        emb_dim=text_config.hidden_size,
         inner_dim=args.inner_dim,
         n_predict=args.n_predict,
         top_k_tokens_per_head=args.top_k_tokens_per_head or [max(5 - i, 2) for i in range(args.n_predict)],

@@ -9,12 +9,11 @@ from huggingface_hub import ModelCard, ModelCardData
 
 # The card's Markdown body, below its YAML metadata; `make_model_card` fills in the fields.
 CARD_TEMPLATE = """
-# MLPSpeculator for `{base_model}`
+# {title} for `{base_model}`
 
-An [MLPSpeculator](https://arxiv.org/abs/2404.19124) with {n_predict} heads that drafts tokens for
+{description} with {n_predict} heads that drafts tokens for
 `{base_model}` from its last hidden state, trained with `hf-mlp-speculator train`: distilled from the base model's own
-continuations of prompts (its hidden states and next-token distributions). Weights use the published `ibm-fms` layout,
-which vLLM and TGI read as well{draft_vocab_note}.
+continuations of prompts (its hidden states and next-token distributions). {layout}{draft_vocab_note}.
 
 ## Usage
 
@@ -53,13 +52,22 @@ Expected tokens per verifier step: **{tokens_per_step:.3f}**
 | text (teacher-forced) | {text} |
 """
 
+# Per architecture: the card's title, what the speculator is, and which engines read its weights.
+ARCHITECTURE_NOTES = {
+    False: ("MLPSpeculator", "An [MLPSpeculator](https://arxiv.org/abs/2404.19124)",
+            "Weights use the published `ibm-fms` layout, which vLLM and TGI read as well; `hf-mlp-speculator export` "
+            "writes it for ArcticInference"),
+    True: ("Arctic LSTM speculator", "An [Arctic LSTM speculator](https://github.com/snowflakedb/ArcticTraining)",
+           "For ArcticInference, `hf-mlp-speculator export --engine arctic` writes the layout ArcticTraining saves"),
+}  # fmt: skip
+
 # Vocabulary-sized speculators load anywhere the layout is read; a reduced one also needs its map back to base ids.
 DRAFT_VOCAB_NOTE = " (plus `speculator.draft_vocab`, the base ids of its reduced draft vocabulary)"
 
 # The arguments listed under "Training settings", in this order.
 CARD_SETTINGS = (
-    "n_predict", "inner_dim", "tie_weights", "scale_input", "draft_vocab_size", "init_from_base", "loss",
-    "head_loss_decay", "epochs", "max_train_minutes", "batch_size", "gradient_accumulation_steps",
+    "architecture", "n_predict", "inner_dim", "tie_weights", "scale_input", "draft_vocab_size", "init_from_base",
+    "loss", "head_loss_decay", "epochs", "max_train_minutes", "batch_size", "gradient_accumulation_steps",
     "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "prompt_length", "num_prompts",
     "synthesize_prompts", "new_tokens", "temperature", "sampling_top_k", "text_tokens", "seq_length",
     "distill_top_k", "dtype", "seed",
@@ -96,7 +104,11 @@ def make_model_card(args, config, log_history: list) -> ModelCard:
     )
     speculator = args.hub_model_id if args.push_to_hub and args.hub_model_id else str(Path(args.output_dir).resolve())
     evaluation = _last_eval(log_history)
+    title, description, layout = ARCHITECTURE_NOTES[config.is_lstm]
     body = CARD_TEMPLATE.format(
+        title=title,
+        description=description,
+        layout=layout,
         base_model=args.base_model,
         n_predict=config.n_predict,
         draft_vocab_note=DRAFT_VOCAB_NOTE if config.reduced_draft_vocab else "",
