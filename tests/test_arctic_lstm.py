@@ -3,6 +3,7 @@ LSTM's teacher-forced forward is the published equations, and it decodes lossles
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers import AutoModel
 
 import hf_mlp_speculator  # noqa: F401  (registers the model type)
 from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
+from hf_mlp_speculator.drafting import cost_model
 
 WIDTH, N_PREDICT = 32, 3
 GATES = ("forget", "input", "output", "cell")
@@ -259,6 +261,22 @@ def test_lstm_sampling_is_plain_sampling_with_the_same_noise(mode):
         assert torch.equal(output, keyed_plain_sampling(verifier, input_ids, attention_mask, seed))
         accepted += speculator.speculation_metrics.num_accepted_tokens
     assert accepted > 0
+
+
+@pytest.mark.cost_aware
+@pytest.mark.parametrize("mode", ["batch 1", "batch 3, tree"])
+def test_a_seed_gives_the_same_tokens_whatever_depths_the_controller_picks(mode, monkeypatch):
+    """The controller choosing depths from timings that are random values: the same tokens under one seed."""
+    jitter = random.Random(0)
+    record = cost_model.CostModel.record_verify
+    monkeypatch.setattr(cost_model.CostModel, "record_verify",
+                        lambda self, length, tokens, _, *steady: record(self, length, tokens, jitter.random(),
+                                                                         *steady))  # fmt: skip
+    verifier, speculator = sharp_lstm_pair()
+    calls = [sampled(verifier, speculator, MODES[mode], seed=1234, max_new_tokens=24)[2] for _ in range(4)]
+    assert all(torch.equal(tokens, calls[0]) for tokens in calls)
+    depths = speculator.speculation_metrics.steps_by_depth
+    assert sum(count > 0 for count in depths) > 1  # the controller did pick different depths
 
 
 def test_the_verifier_size_check_reads_input_hidden_dim():

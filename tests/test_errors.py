@@ -147,6 +147,18 @@ def test_beam_search():
     assert torch.equal(verifier.generate(prompt, max_new_tokens=4, num_beams=1, assistant_model=speculator), expected)
 
 
+def test_contrastive_search_is_refused_rather_than_decoded_greedily():
+    verifier, prompt, speculator = make_verifier(), make_prompt(), make_speculator()
+    with pytest.raises(ValueError, match=r"^Contrastive search \(penalty_alpha=0.6, top_k=4\) cannot use an MLPSpec"):
+        verifier.generate(prompt, max_new_tokens=4, penalty_alpha=0.6, top_k=4, assistant_model=speculator)
+
+
+def test_an_empty_prompt_says_so():
+    empty = torch.zeros((1, 0), dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^The prompt is empty \(input_ids of shape \(batch, 0\)\)"):
+        make_verifier().generate(empty, max_new_tokens=4, assistant_model=make_speculator())
+
+
 def test_training_forward_checks_input_length():
     speculator = make_speculator(n_predict=3)
     with pytest.raises(ValueError, match=r"sequence_length \+ n_predict = 8 tokens per row"):

@@ -94,6 +94,30 @@ def test_gathering_slots_moves_each_rows_keys_and_values():
             assert torch.equal(layer.values[row], values[row][:, order[row]])
 
 
+def test_selecting_rows_hands_each_layer_the_index_on_its_own_device():
+    """A model dispatched over devices keeps each layer's cache on that layer's device. Here every other layer reports
+    the meta device, and records the index it gets (then selects on the CPU, where its tensors really are)."""
+    verifier = make_verifier()
+    _, cache = prefilled(verifier, torch.randint(1, 90, (3, 5)))
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    seen, index = [], torch.tensor([2, 0])
+    for number, layer in enumerate(cache.layers):
+        if number % 2:
+            layer.device = torch.device("meta")
+        select = layer.batch_select_indices
+
+        def recording(given, select=select, layer=layer):
+            seen.append((given.device, layer.device))
+            select(index)  # where the tensors really are
+
+        layer.batch_select_indices = recording
+    hooks.select_rows(cache, index)
+    assert len(seen) == len(cache.layers) and all(index == own for index, own in seen)
+    assert {own.type for _, own in seen} == {"cpu", "meta"}
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, keys[[2, 0]]) and torch.equal(layer.values, values[[2, 0]])
+
+
 def sliding_verifier(window=8):
     verifier = ARCHITECTURES["mistral"]()
     verifier.config.sliding_window = window

@@ -64,13 +64,19 @@ class PackedLinear(nn.Linear):
 
 
 def _packable(model: nn.Module) -> bool:
-    """Whether `model` is one that packing is meant for (its ops aside): fp32 weights on the CPU."""
+    """
+    Whether `model` is one that packing is meant for (its ops aside): fp32 weights on the CPU, whole. A model that
+    accelerate dispatched (`hf_device_map`: its hooks run the layers' own forwards, some weights offloaded) or that
+    tensor parallelism split (each rank would choose its weights by its own timings) is left as it is.
+    """
     param = next(model.parameters(), None)
     return (
         param is not None
         and param.device.type == "cpu"
         and param.dtype == torch.float32
         and not param.is_inference()  # inference tensors keep no version counter to tell a stale copy by
+        and not getattr(model, "hf_device_map", None)
+        and (getattr(model, "_tp_size", None) or 1) < 2
     )
 
 

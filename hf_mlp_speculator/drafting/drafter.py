@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from ..cpu.packed_linear import steady_forward
+from ..utils.devices import forward_device
 from ..utils.host_transfer import to_host
+from ..utils.rank_agreement import RankAgreement
 from .controller import SpeculationController, StepPlan
 from .drafts import DraftKind, Drafts, HostDrafts, TreeSpec, draft_chain, draft_tree
 from .metrics import SpeculationMetrics
@@ -115,17 +117,18 @@ class Drafter:
         self.threshold = generation_config.assistant_confidence_threshold or 0.0
         self.hybrid = HybridDrafter.for_call(self.rows, generation_config)
         self.state = speculation_state(self.verifier, self.speculator)
-        param = next(self.verifier.parameters())
+        device, dtype = forward_device(self.verifier), next(self.verifier.parameters()).dtype
         # A call's "constant" schedule comes before the pair's policy: it is the more specific request.
         fixed = None if self.state.policy is None else self.state.policy.depth
         if generation_config.num_assistant_tokens_schedule == "constant" or (self.state.policy and fixed is None):
             fixed = self.num_heads
         self.controller = SpeculationController(
-            lambda batch: self.state.cost_model_for(batch, param.device, param.dtype),
+            lambda batch: self.state.cost_model_for(batch, device, dtype),
             self.state.acceptance_for(self.kind, config.n_predict), self.num_heads,
             self.tree.new_tokens if self.tree else (lambda depth: depth + 1), fixed,
         )  # fmt: skip
-        self.stopwatch = Stopwatch(param.device)
+        self.stopwatch = Stopwatch(device)
+        self.agreement = RankAgreement.for_model(self.verifier)
         self.metrics = [SpeculationMetrics(num_speculative_tokens=self.num_heads) for _ in range(self.rows)]
 
     @property
@@ -163,6 +166,7 @@ class Drafter:
             depth = min(step.planned, step.most)
         else:
             depth = min(self.controller.chain_depth(step.planned), step.most) if any(speculator_rows) else 0
+        (depth,) = self.agreement.decide([depth])
         if self.hybrid is not None and not all(speculator_rows):
             use_lookup, lookup = lookup_drafts(step.lookup, step.from_lookup, last_tokens.device)
             limits = use_lookup.logical_not().long() * (depth if limits is None else limits)
@@ -178,8 +182,10 @@ class Drafter:
         timing, plan = self.stopwatch.stop(mark), step.plan
         if depth:
             self.stopwatch.report(timing, lambda seconds: self.controller.record_drafts(plan, depth, seconds))
-        if self.tree is None and depth > 1 and self.controller.cuts:
-            drafts = drafts.cut(self.controller.chain_end(*to_host(drafts.confidences, drafts.limits)))
+        if self.tree is None and depth > 1 and (self.controller.cuts or self.agreement.active):
+            cuts = self.controller.cuts
+            end = self.controller.chain_end(*to_host(drafts.confidences, drafts.limits)) if cuts else depth
+            drafts = drafts.cut(*self.agreement.decide([end]))
         if self.hybrid is not None and not all(speculator_rows):
             drafts = with_lookup(drafts, use_lookup, lookup)
         return drafts

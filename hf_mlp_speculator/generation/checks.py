@@ -31,8 +31,16 @@ def _check_pair(model, speculator) -> None:
     if on_meta:
         raise ValueError(
             f"The speculator's weights are on the meta device (e.g. {on_meta[0]}): they hold no values to draft with. "
-            "Load it with real weights (`AutoModel.from_pretrained(...)` without a meta device_map), or materialise "
-            "it (`speculator.to_empty(device=...)`, then `load_state_dict`)."
+            "A speculator drafts whole on one device: load it without a device_map that offloads it to the CPU or "
+            "disk (`AutoModel.from_pretrained(..., device_map=\"cuda:0\")`, or none), or materialise it "
+            "(`speculator.to_empty(device=...)`, then `load_state_dict`)."
+        )
+    devices = sorted({str(param.device) for param in speculator.parameters()})
+    if len(devices) > 1:
+        raise ValueError(
+            f"The speculator's weights are spread over {', '.join(devices)}, and it drafts on one device: move it "
+            f"whole to one, e.g. `speculator.to(\"{devices[-1]}\")` (any device works; the verifier's hidden states "
+            "are moved to it)."
         )
     text_config, spec_config = model.config.get_text_config(), speculator.config
     base = spec_config.base_model_name_or_path
@@ -58,12 +66,19 @@ def _check_pair(model, speculator) -> None:
 
 
 def _check_options(spec_config, generation_config) -> None:
-    """The call's decoding options that speculation takes: no beams, and whole numbers of drafts."""
+    """The call's decoding options that speculation takes: no beams or contrastive search, whole numbers of drafts."""
     num_beams = generation_config.num_beams or 1
     if num_beams > 1:
         raise ValueError(
             f"Beam search (num_beams={num_beams}) cannot use an MLPSpeculator: speculative decoding verifies a single "
             "sequence. Use greedy decoding or sampling (num_beams=1), or drop assistant_model."
+        )
+    penalty_alpha, top_k = generation_config.penalty_alpha or 0, generation_config.top_k or 0
+    if penalty_alpha > 0 and top_k > 1 and not generation_config.do_sample:
+        raise ValueError(
+            f"Contrastive search (penalty_alpha={penalty_alpha}, top_k={top_k}) cannot use an MLPSpeculator: it picks "
+            "each token by the hidden states of top_k candidates, which speculative decoding does not compute. Drop "
+            "penalty_alpha to decode greedily or sample with the speculator, or drop assistant_model."
         )
     num_assistant_tokens = generation_config.num_assistant_tokens
     if num_assistant_tokens is not None and (not _is_int(num_assistant_tokens) or num_assistant_tokens < 1):

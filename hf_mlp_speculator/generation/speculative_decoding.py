@@ -47,6 +47,7 @@ from .transformers_hooks import (
     cache_kwargs,
     compiled_call,
     drop_last_slots,
+    select_rows,
 )
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -154,6 +155,8 @@ class SpeculativeBatch:
         # Sampling keyed by position (see `position_noise`): the seed is drawn here, once, from torch's generator.
         vocab_size = drafter.speculator.config.vocab_size
         self.noise = PositionNoise(vocab_size, self.device) if drafter.sampled else None
+        if self.noise is not None:  # under tensor parallelism, every rank draws the same noise
+            (self.noise.seed,) = drafter.agreement.decide([self.noise.seed])
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
         if pad is None:  # plain generate() pads with the first EOS id then
@@ -213,7 +216,7 @@ class SpeculativeBatch:
             if not keep:
                 return False
             index = torch.tensor(keep, device=self.device)
-            self.cache.batch_select_indices(index)
+            select_rows(self.cache, index)
             self.rows, self.hidden = self.rows[index], self.hidden[index]
             self.slots.select(keep, index)
             self.last_tokens, self.next_position = self.last_tokens[index], self.next_position[index]

@@ -14,7 +14,8 @@ checks each one's behaviour (not only its signature) on every stack CI runs (tra
   `GENERATE_OUTPUT_CACHE`);
 - `GenerationMixin._valid_auto_compile_criteria` and `get_compiled_call`, to compile decoding steps where plain
   `generate()` would (`compiled_call`);
-- cache layers: `DynamicCache.crop(-n)` (before 5.17 `crop(0)` keeps nothing, so a rewind of 0 never calls it),
+- cache layers: `batch_select_indices` and `device` per layer (`select_rows`), `DynamicCache.crop(-n)` (before
+  5.17 `crop(0)` keeps nothing, so a rewind of 0 never calls it),
   `StaticLayer.cumulative_length` (a device tensor: rewound without reading the device), the layers' `keys`/`values`
   (moved together by `gather_slots`), `is_sliding`, and whether sliding layers keep what they drop
   (`DynamicSlidingWindowLayer.activate_past_recording`, 5.17 on: before, they refuse `crop` past their window).
@@ -154,6 +155,17 @@ def drop_last_slots(cache, count: int) -> None:
     for layer in cache.layers:
         if getattr(layer, "is_initialized", False):
             layer.cumulative_length.sub_(count)
+
+
+def select_rows(cache, index) -> None:
+    """
+    Keeps the batch rows `index` of every layer, through each layer's `batch_select_indices` with the index on that
+    layer's device: a model dispatched over devices (accelerate's `device_map`) keeps each layer's cache on the layer's
+    device, and `Cache.batch_select_indices` hands every layer the index unmoved.
+    """
+    for layer in cache.layers:
+        device = getattr(layer, "device", None)  # set when the layer is first written
+        layer.batch_select_indices(index if device is None else index.to(device))
 
 
 def can_gather_slots(cache) -> bool:
