@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import GLOO_EXIT_ABORT
 from test_training import CLI_ENV, as_flags, assert_same_weights, history, one_thread, toy, toy_args, weights  # noqa: F401
 from transformers import AutoModel, AutoModelForCausalLM
 
@@ -91,7 +93,19 @@ def kill_all(process) -> None:
 def run_to_end(args, tmp_path):
     process = torchrun(args, tmp_path)
     _, stderr = process.communicate(timeout=600)
+    if process.returncode != 0 and exited_after_finishing(stderr, Path(args.output_dir)):
+        return
     assert process.returncode == 0, stderr[-3000:]
+
+
+def exited_after_finishing(stderr: str, output_dir: Path) -> bool:
+    """Whether a worker died of gloo's abort at interpreter exit ("terminate called without an active exception",
+    seen on torch 2.13 and 2.14 under load) after the run had saved everything: the run itself completed."""
+    state = output_dir / "trainer_state.json"
+    if GLOO_EXIT_ABORT not in stderr or not (state.is_file() and (output_dir / "model.safetensors").is_file()):
+        return False
+    state = json.loads(state.read_text())
+    return state["step"] == state["total_steps"]
 
 
 @pytest.fixture(scope="module")

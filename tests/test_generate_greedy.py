@@ -7,6 +7,9 @@ from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_pro
 from transformers import CompileConfig, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
+from hf_mlp_speculator.cpu import packed_linear
+from hf_mlp_speculator.generation import mixin
+
 
 def greedy(model, prompt, **kwargs):
     return model.generate(prompt, do_sample=False, **kwargs)
@@ -84,10 +87,14 @@ def test_static_cache(kwargs):
     assert speculator.speculation_metrics.num_draft_tokens > speculator.speculation_metrics.num_accepted_tokens
 
 
-def test_compiled_verifier_with_a_static_cache():
+@pytest.mark.parametrize("packing", [False, True], ids=["plain weights", "the CPU weight choice"])
+def test_compiled_verifier_with_a_static_cache(packing, monkeypatch):
     """Where plain `generate()` compiles its decoding steps (a static cache and a `compile_config`), speculative
     decoding compiles its verifier's steps too (one graph per token count) and stays identical. Dynamo with its eager
-    backend here: the graphs are traced as on a GPU, without the minutes of code generation."""
+    backend here: the graphs are traced as on a GPU, without the minutes of code generation. With the CPU weight
+    choice on, as a CPU user who compiles has it, its hooks stay out of the graphs."""
+    if packing:
+        monkeypatch.setattr(mixin, "adaptive_packing", packed_linear.adaptive_packing)
     verifier, prompt = make_verifier(), make_prompt()
     speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 0)
     config = CompileConfig(backend="eager", fullgraph=False, mode=None)
@@ -99,6 +106,18 @@ def test_compiled_verifier_with_a_static_cache():
     verifier.get_compiled_call = lambda config: compiled.append(config) or original(verifier, config)
     assert torch.equal(greedy(verifier, prompt, assistant_model=speculator, **kwargs), expected)
     assert compiled == [config] and speculator.speculation_metrics.num_accepted_tokens > 0
+    assert not packing or packed_linear.cpu_weights(verifier).agrees  # the choice was on: packing agrees here
+
+
+def test_a_model_compiled_in_place_with_the_cpu_weight_choice(monkeypatch):
+    """`model.compile()`: every forward, prefill too, runs compiled; the CPU weight choice's hooks stay out of it."""
+    monkeypatch.setattr(mixin, "adaptive_packing", packed_linear.adaptive_packing)
+    verifier, prompt = make_verifier(), make_prompt()
+    speculator = make_oracle(verifier, prompt, 16, wrong=lambda p, h: (p + h) % 3 == 0)
+    expected = greedy(verifier, prompt, max_new_tokens=16)
+    verifier.compile(backend="eager")
+    assert torch.equal(greedy(verifier, prompt, max_new_tokens=16, assistant_model=speculator), expected)
+    assert speculator.speculation_metrics.num_accepted_tokens > 0
 
 
 def test_return_dict_scores_and_user_hidden_states():

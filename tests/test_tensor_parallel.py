@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_speculator, make_verifier
+from conftest import GLOO_EXIT_ABORT, make_speculator, make_verifier
 from transformers import PreTrainedModel
 
 SCRIPT = r'''
@@ -90,8 +90,11 @@ def test_tensor_parallel_ranks_agree_and_match_plain(pair, way, tmp_path):
         result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"the ranks hung: {str(error.stderr)[-2000:]}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    first, second = (json.loads(Path(f"{tmp_path / 'out'}.{rank}.json").read_text()) for rank in (0, 1))
+    outputs = [Path(f"{tmp_path / 'out'}.{rank}.json") for rank in (0, 1)]
+    # gloo may abort a worker at interpreter exit, after both ranks wrote everything.
+    exited_after_finishing = GLOO_EXIT_ABORT in result.stderr and all(path.is_file() for path in outputs)
+    assert result.returncode == 0 or exited_after_finishing, result.stderr[-3000:]
+    first, second = (json.loads(path.read_text()) for path in outputs)
     assert first == second  # every call, plain and speculative, gave the same tokens on both ranks
     for mode in ("chain", "tree", "hybrid"):
         assert first[mode] == first["plain"], mode

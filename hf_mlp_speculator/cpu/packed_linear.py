@@ -246,7 +246,11 @@ def adaptive_packing(model: nn.Module):
             for module in linears:
                 module.__class__ = PackedLinear if packed else nn.Linear
 
+    # A compiled forward (the verifier's compiled steps, `model.compile()`) traces the model's hooks: there they do
+    # nothing, and the graph keeps the weights it was traced with, plain or packed, with no choice to make per call.
     def before(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return
         inputs = kwargs.get("input_ids", args[0] if args else None)
         inputs = inputs if inputs is not None else kwargs.get("inputs_embeds")
         state["shape"] = shape = PackingChoice.shape(inputs)
@@ -254,6 +258,8 @@ def adaptive_packing(model: nn.Module):
         state["start"] = time.perf_counter()
 
     def after(module, args, kwargs, output):
+        if torch.compiler.is_compiling():
+            return
         choice.record(state["shape"], type(linears[0]) is PackedLinear, time.perf_counter() - state["start"])
 
     hooks = []
