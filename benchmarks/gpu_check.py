@@ -21,6 +21,10 @@ what it measured. Times on CUDA are taken with CUDA events, or a synchronize aro
    at batch 1 and 8 on held-out prompts: tokens per step, speedup, greedy identity, loop efficiency.
 4. `compiled`: the same pair with a static cache and the verifier compiled as plain `generate()` compiles it
    (transformers' `compile_config`): plain compiled `generate()` against speculative, at batch 1.
+5. `split`: the same base loaded as one too large for the GPU runs, half its layers on `cuda:0` and the other half
+   and its output layer on the CPU (accelerate's `dispatch_model` with the CPU as main device; in a dry run, the CPU
+   and disk), with the trained speculator on the GPU, then on the CPU: batch 2 with a row that ends early, identical
+   tokens, and the speedup over plain `generate()` on the same split.
 """
 
 import argparse
@@ -278,6 +282,50 @@ def end_to_end(base, speculator, profile: dict, batch: int, new_tokens: int, dev
     }
 
 
+def split_map(layers: int, dry: bool) -> dict:
+    """The embedding and the first half of the layers on the GPU, the rest on the CPU (dry run: the CPU, then disk)."""
+    first, second = ("cpu", "disk") if dry else (0, "cpu")
+    return {"model.embed_tokens": first, "model.rotary_emb": first,
+            **{f"model.layers.{i}": first if i < layers // 2 else second for i in range(layers)},
+            "model.norm": second, "lm_head": second}  # fmt: skip
+
+
+def early_end(output: torch.Tensor, width: int) -> int | None:
+    """An id that ends row 0 of a greedy batch of two early (in its first half) and never occurs in row 1."""
+    first, second = output[0, width:].tolist(), set(output[1, width:].tolist())
+    for position, token in enumerate(first[1 : len(first) // 2], start=1):
+        if token not in second and token not in first[:position]:
+            return token
+    return None
+
+
+def split_section(folder: Path, trained, dtype, dry: bool, new_tokens: int, offload: Path) -> list:
+    from accelerate import dispatch_model
+
+    base = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    device_map = split_map(base.config.num_hidden_layers, dry)
+    base = dispatch_model(base, device_map, main_device="cpu", offload_dir=str(offload))
+    sync = "cpu" if dry else "cuda"
+    prompts = held_out_prompts(2, "cpu")
+    options = dict(pad_token_id=0)
+    options["eos_token_id"] = early_end(call_seconds(base, prompts, new_tokens, sync)[1], prompts.shape[1])
+    rows = []
+    for side in ["cpu"] if dry else ["cuda:0", "cpu"]:
+        speculator = trained.to(side)
+        for extra in ({}, {"assistant_model": speculator}):  # warm-up
+            call_seconds(base, prompts, new_tokens, sync, **options, **extra)
+        plain, expected = call_seconds(base, prompts, new_tokens, sync, **options)
+        speculative, output = call_seconds(base, prompts, new_tokens, sync, assistant_model=speculator, **options)
+        ended = options["eos_token_id"] is not None and int((expected[0] == options["eos_token_id"]).sum()) > 0
+        metrics = speculator.speculation_metrics
+        rows.append({"speculator_on": side, "device_map": {k: str(v) for k, v in device_map.items()},
+                     "speedup": plain / speculative, "identical": torch.equal(output, expected),
+                     "row_ended_early": ended, "tokens_per_step": metrics.mean_tokens_per_step,
+                     "steps_by_depth": metrics.steps_by_depth, "plain_s": plain, "speculative_s": speculative})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def markdown(results: dict) -> str:
     lines = [f"# Device check, {results['device']} (torch {results['torch']}, transformers {results['transformers']})"]
     if results.get("loop"):
@@ -318,6 +366,14 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {row['batch']} | {row['tokens_per_step']:.2f} | {row['speedup']:.2f}x | "
                              f"{'yes' if row['identical'] else 'NO'} | {row['loop_efficiency']:.2f} | "
                              f"{row['ms_per_step']:.2f} | {row['plain_ms_per_token']:.2f} |")  # fmt: skip
+    if results.get("split"):
+        where = "CPU and disk" if results["device"].startswith("CPU") else "cuda:0 and the CPU"
+        lines += ["", f"## A verifier split between {where} (same pair, batch 2, one row ends early)", "",
+                  "| speculator on | speedup over plain generate() on the split | identical | a row ended early | "
+                  "tokens/step |", "|---|---:|---|---|---:|"]  # fmt: skip
+        for row in results["split"]:
+            lines.append(f"| {row['speculator_on']} | {row['speedup']:.2f}x | {'yes' if row['identical'] else 'NO'} | "
+                         f"{'yes' if row['row_ended_early'] else 'no'} | {row['tokens_per_step']:.2f} |")  # fmt: skip
     if results.get("training"):
         lines += ["", f"Training: {results['training']}"]
     return "\n".join(lines) + "\n"
@@ -328,7 +384,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="Folder for gpu_check.json and gpu_check.md.")
     parser.add_argument("--dry-run", action="store_true", help="Tiny shapes on the CPU, to check the script.")
     parser.add_argument("--train-minutes", type=float, default=1.5)
-    parser.add_argument("--sections", default="loop,first_call,end_to_end,compiled")
+    parser.add_argument("--sections", default="loop,first_call,end_to_end,compiled,split")
     args = parser.parse_args(argv)
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -352,7 +408,7 @@ def main(argv=None) -> int:
         save("loop", loop_section(bases, device, dtype, inner, context, repeats, new_tokens))
     if "first_call" in sections:
         save("first_call", first_call_section(list(bases.values())[0], device, dtype, inner, context, 2 * new_tokens))
-    if "end_to_end" in sections or "compiled" in sections:
+    if {"end_to_end", "compiled", "split"} & set(sections):
         fields = list(bases.values())[-1]  # the 1B-class shape (the tiny one in a dry run)
         base = build(fields, device, dtype, damping=DAMPING)
         speculator = random_speculator(base, inner, device, dtype)
@@ -367,19 +423,25 @@ def main(argv=None) -> int:
             largest = max(files, key=lambda f: f[1])
             results["training"] = (f"{time.perf_counter() - started:.0f} s in all; the largest file written: "
                                    f"{largest[0]}, {largest[1] / 2**20:.0f} MiB")  # fmt: skip
-        if "end_to_end" in sections:
-            rows = []
-            for batch in (1, 8):
-                rows.append(end_to_end(base, trained, profiles[batch], batch, 2 * new_tokens, device))
-                print(json.dumps(rows[-1]), flush=True)
-            save("end_to_end", rows)
-        if "compiled" in sections:
-            config = CompileConfig(backend="eager", fullgraph=False, mode=None) if dry else CompileConfig()
-            config._compile_all_devices = dry  # transformers compiles on GPUs alone unless told
-            row = end_to_end(base, trained, profiles[1], 1, 2 * new_tokens, device, cache_implementation="static",
-                             compile_config=config)  # fmt: skip
-            print(json.dumps(row), flush=True)
-            save("compiled", [row])
+            if "end_to_end" in sections:
+                rows = []
+                for batch in (1, 8):
+                    rows.append(end_to_end(base, trained, profiles[batch], batch, 2 * new_tokens, device))
+                    print(json.dumps(rows[-1]), flush=True)
+                save("end_to_end", rows)
+            if "compiled" in sections:
+                config = CompileConfig(backend="eager", fullgraph=False, mode=None) if dry else CompileConfig()
+                config._compile_all_devices = dry  # transformers compiles on GPUs alone unless told
+                row = end_to_end(base, trained, profiles[1], 1, 2 * new_tokens, device, cache_implementation="static",
+                                 compile_config=config)  # fmt: skip
+                print(json.dumps(row), flush=True)
+                save("compiled", [row])
+            if "split" in sections:
+                del base, speculator  # the split base is loaded again from the folder the trainer read
+                if not dry:
+                    torch.cuda.empty_cache()
+                save("split", split_section(Path(work) / "base", trained, dtype, dry, 2 * new_tokens,
+                                            Path(work) / "offload"))  # fmt: skip
     print(markdown(results))
     return 0
 

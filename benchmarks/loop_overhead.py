@@ -2,6 +2,7 @@
 
     python benchmarks/loop_overhead.py                 # batch 1 and 8, our loop and transformers' loop, ~3 minutes
     python benchmarks/loop_overhead.py --batch-sizes 1 --repeats 3
+    python benchmarks/loop_overhead.py --real-model    # the default pair at batch 1, 8 and 32, ~10 minutes
 
 On a GPU, HF eager decoding of an 8B model is bound by the host launching kernels, not by the GPU running them: every
 tensor operation the decoding loop adds around the verifier's forward costs about what it costs on a CPU. A Llama 64
@@ -18,6 +19,11 @@ loop's own cost on the CPU, per step:
 Depths are forced (`num_assistant_tokens_schedule="constant"` for k >= 1; k = 0 by fixing the controller's choice)
 and the speculator is random: it accepts nothing, so every step crops its rejected drafts, the worst case. Times are
 medians over `--repeats` runs in this process; the ratios are what to read, not the milliseconds.
+
+`--real-model` measures the same k = 0 step on the offline default pair (SmolLM2-135M-Instruct, two threads), on
+left-padded batches of the held-out chat prompts, against plain `generate()` on the faster of packed and plain
+weights (`fast_cpu_decoding`), which is what a speculative call that decides not to draft must cost. End-of-sequence
+is off, so that every row decodes every token in both calls.
 """
 
 import argparse
@@ -56,9 +62,10 @@ def proxy_pair(layers: int = 32):
     return verifier, speculator
 
 
-def generate_call(verifier, speculator, prompts, depth: int | None, loop: str, new_tokens: int):
+def generate_call(verifier, speculator, prompts, depth: int | None, loop: str, new_tokens: int, mask=None):
     """One greedy call: plain (`depth` None), or speculative at a forced depth in `loop`."""
-    kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, do_sample=False)
+    mask = torch.ones_like(prompts) if mask is None else mask
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
     if depth is not None:
         kwargs.update(assistant_model=speculator, num_assistant_tokens=max(depth, 1),
                       num_assistant_tokens_schedule="constant" if depth else "heuristic")  # fmt: skip
@@ -95,14 +102,14 @@ class ForwardClock:
             hook.remove()
 
 
-def per_step(verifier, speculator, prompts, depth, loop):
+def per_step(verifier, speculator, prompts, depth, loop, mask=None, new_tokens=NEW_TOKENS):
     """
     (seconds per decode step, of which outside the verifier's forward) of one call, from the end of its prefill
     forward to its return: both per verifier forward of the decode steps, measured in the same run, so that a slow
     spell of the machine scales both.
     """
     with ForwardClock(verifier) as clock:
-        generate_call(verifier, speculator, prompts, depth, loop, 1 + NEW_TOKENS)
+        generate_call(verifier, speculator, prompts, depth, loop, 1 + new_tokens, mask)
         end = time.perf_counter()
     decode, steps = end - clock.forwards[0][1], clock.forwards[1:]
     inside = sum(stop - start for start, stop in steps)
@@ -188,13 +195,48 @@ def phase_times(verifier, speculator, prompts, depth, repeats) -> dict:
     return {name: statistics.median(values) for name, values in spent.items()}
 
 
+def real_model(batch_sizes: list[int], repeats: int, new_tokens: int = 64) -> None:
+    """A k = 0 step of the package's loop against plain `generate()` on the faster weights, on the default pair."""
+    from hf_mlp_speculator import fast_cpu_decoding
+    from hf_mlp_speculator.tools.runs import encode_prompts, load_pair, machine_description
+    from hf_mlp_speculator.utils.batching import left_padded
+    from hf_mlp_speculator.utils.package_data import evaluation_prompts
+
+    verifier, tokenizer, speculator = load_pair(None, None)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    verifier.generation_config.update(eos_token_id=None, pad_token_id=pad)
+    speculation_state(verifier, speculator).policy = FixedDepth(0)
+    prompts = [p[0].tolist() for p in encode_prompts(tokenizer, evaluation_prompts())]
+    print(f"{machine_description()}\n\n| batch | plain step on the faster weights, ms | k = 0 step, plain steps "
+          "| outside the forward, ms: plain / k = 0 |\n|---:|---:|---:|---:|")  # fmt: skip
+    for rows in batch_sizes:
+        input_ids, mask = left_padded([prompts[i % len(prompts)] for i in range(rows)], pad)
+
+        def plain():
+            with fast_cpu_decoding(verifier):
+                return per_step(verifier, speculator, input_ids, None, "ours", mask, new_tokens)
+
+        plain()  # warm-up: the weights' choice of each shape, the first timings of each kind
+        per_step(verifier, speculator, input_ids, 0, "ours", mask, new_tokens)
+        rounds = [(plain(), per_step(verifier, speculator, input_ids, 0, "ours", mask, new_tokens))
+                  for _ in range(repeats)]  # fmt: skip
+        step = statistics.median(p[0] for p, _ in rounds)
+        ratio = statistics.median(k[0] / p[0] for p, k in rounds)
+        outside = [statistics.median(r[i][1] for r in rounds) * 1000 for i in (0, 1)]
+        print(f"| {rows} | {step * 1000:.1f} | {ratio:.3f} | {outside[0]:.2f} / {outside[1]:.2f} |", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--loops", default="ours,transformers", help="which loops to measure at batch 1")
+    parser.add_argument("--real-model", action="store_true", help="the k = 0 step on the default pair (batch 1,8,32)")
     args = parser.parse_args(argv)
+    if args.real_model:
+        batch_sizes = "1,8,32" if args.batch_sizes == parser.get_default("batch_sizes") else args.batch_sizes
+        return real_model([int(b) for b in batch_sizes.split(",")], args.repeats)
     torch.set_num_threads(1)
     generation.adaptive_packing = contextlib.nullcontext  # the weights as they are: packing is measured elsewhere
     verifier, speculator = proxy_pair(args.layers)

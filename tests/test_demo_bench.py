@@ -124,7 +124,15 @@ def test_summary_ratios_against_each_modes_baseline():
     assert rows["speculative sampling k=2"]["speedup"] == 1.5
     assert rows["speculative sampling k=2"]["identical_to_baseline"] is None  # samples need not match
     table = markdown_table(list(rows.values()))
-    assert "| speculator k=2 | 8.0 | 4.00x | 125.0 | 125.0 | 1.33 | 0.50 | 1.00, 0.00 | yes |" in table
+    assert "| speculator k=2 | 8.0 | 4.00x | - | 125.0 | 125.0 | 1.33 | 0.50 | 1.00, 0.00 | yes |" in table
+    # With plain greedy decoding on the faster weights measured, greedy modes are also compared with it.
+    runs["plain greedy, faster weights"] = _run("plain greedy, faster weights", [[1, 2, 3, 4]], seconds=1.0)
+    modes.insert(1, Mode("plain greedy, faster weights", {"do_sample": False}, "plain greedy", fast_cpu=True))
+    rows = {row["mode"]: row for row in summarize(modes, runs)}
+    assert rows["speculator k=2"]["speedup_over_faster_weights"] == 2.0 and rows["speculator k=2"]["speedup"] == 4.0
+    assert rows["plain greedy, faster weights"]["speedup"] == 2.0
+    assert rows["speculative sampling k=2"]["speedup_over_faster_weights"] is None
+    assert "| speculator k=2 | 8.0 | 4.00x | 2.00x |" in markdown_table(list(rows.values()))
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +208,12 @@ def test_batch_bench_end_to_end(tiny_pair, tmp_path, clock):
         forwards = row["tokens"] / row["speculative_tokens_per_second"]
         assert forwards == pytest.approx(round(forwards)) and 1 <= round(forwards) <= 6
         assert row["speedup"] == pytest.approx(6 / round(forwards))
+        # The faster weights' forwards take the clock's 1 s too: plain decoding on them runs at the same speed.
+        assert row["faster_weights_tokens_per_second"] == pytest.approx(row["batch_size"])
+        assert row["speedup_over_faster_weights"] == pytest.approx(row["speedup"])
         assert row["speculative_per_user_tokens_per_second"] == pytest.approx(6 / round(forwards))
-    assert "| 3 |" in (tmp_path / "bench_batch.md").read_text()
+    table = (tmp_path / "bench_batch.md").read_text()
+    assert "| 3 |" in table and machine_description() in table
 
 
 def test_verify_cost_ratios(tiny_pair, tmp_path, clock):

@@ -1,6 +1,8 @@
 """A verifier that accelerate dispatched (`device_map`), here with a layer offloaded to disk on the CPU: speculative
 generate() gives plain generate()'s tokens on the same model in every mode, and timings go to the forward's device."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import make_prompt, make_speculator, make_verifier
@@ -81,10 +83,18 @@ def test_timings_go_to_the_device_that_runs_the_forward(dispatched):
     assert costs and all(key[0] == "cpu" for key in costs)
 
 
-def test_forward_device_is_the_last_accelerator_of_a_device_map():
+def test_forward_device_is_the_one_that_runs_the_last_module_of_a_device_map():
     class Dispatched(torch.nn.Module):
         hf_device_map = {"embed": "cpu", "layers.0": 0, "layers.1": "disk", "head": "cpu"}
 
-    assert forward_device(Dispatched()).index == 0
+    # Modules mapped to the CPU or disk run on accelerate's main device, by default the map's first accelerator.
+    assert forward_device(Dispatched()) == torch.device("cuda", 0)
     Dispatched.hf_device_map = {"embed": "cpu", "layers.0": "cuda:0", "layers.1": "cuda:1", "head": "cuda:1"}
     assert forward_device(Dispatched()) == torch.device("cuda:1")
+    Dispatched.hf_device_map = {"embed": "cuda:1", "layers.0": "cuda:1", "layers.1": "cuda:0", "head": "cuda:0"}
+    assert forward_device(Dispatched()) == torch.device("cuda:0")
+    # dispatch_model(..., main_device="cpu"): the model's own hook runs the CPU's modules on the CPU, after the GPU's.
+    split = Dispatched()
+    split.hf_device_map = {"embed": 0, "layers.0": 0, "layers.1": "cpu", "head": "cpu"}
+    split._hf_hook = SimpleNamespace(execution_device="cpu")
+    assert forward_device(split) == torch.device("cpu")

@@ -28,9 +28,13 @@ def test_gpu_check_dry_run(tmp_path):
         assert row["identical"] and row["tokens_per_step"] >= 1 and row["loop_efficiency"] > 0
     # The learnable base is learnt: drafts are accepted on prompts the trainer never saw.
     assert results["end_to_end"][0]["tokens_per_step"] > 1.5
+    # The verifier split over devices (here the CPU and disk) with a row that ends early gives plain's tokens.
+    (split,) = results["split"]
+    assert split["speculator_on"] == "cpu" and split["identical"] and split["row_ended_early"]
+    assert split["device_map"]["model.layers.1"] == "disk" and split["device_map"]["model.layers.0"] == "cpu"
     # Model-only checkpoints: nothing the size of an optimizer's state is written.
     assert "the largest file written" in results["training"]
     table = (tmp_path / "gpu_check.md").read_text()
     for title in ("## Cost profile", "## The loop at forced depths", "## An untrained speculator", "## End to end",
-                  "## Compiled verifier"):  # fmt: skip
+                  "## Compiled verifier", "## A verifier split between CPU and disk"):  # fmt: skip
         assert title in table
