@@ -3,7 +3,9 @@
 Whether a draft pays depends on the hardware: on a CPU a verifier forward over `k + 1` new tokens may cost nearly
 `k + 1` plain steps, on a GPU about one. So nothing here is assumed: every verifier forward and every draft head of a
 call is timed, and the controller (`controller.py`) reads the medians of the recent timings. Only ratios between
-these costs decide anything, so a uniformly slow spell of a shared machine changes no choice.
+these costs decide anything, so a uniformly slow spell of a shared machine changes no choice, as long as the costs
+compared were timed in the same spell: a cost is read from its recent timings only (`HORIZON`), and the controller
+re-times the depths it is not choosing (see `controller.py`).
 
 A pair's `SpeculationState` keeps one cost model per (device, dtype, batch bucket) of the verifier: a later call at the
 same batch size starts with what the earlier ones measured.
@@ -15,6 +17,10 @@ from collections import defaultdict, deque
 
 # Recent timings kept per measured quantity: enough for a stable median, few enough to follow a change of load.
 WINDOW = 16
+# Timings of one `m` taken more than this many verify timings before its latest one are from another spell of the
+# machine than the costs they would be compared with (measured on a shared 2-core CPU: a plain step timed at 86 ms in a
+# slow spell, then 60 ms for the rest of the run, kept the controller drafting at a loss while it drafted): left out.
+HORIZON = 2 * WINDOW
 # Steps that may be forced to verify an `m` until a steady timing of it comes back.
 UNTIMED_TRIES = 4
 
@@ -37,7 +43,7 @@ class CostModel:
     """
 
     def __init__(self):
-        self.verify = defaultdict(lambda: deque(maxlen=WINDOW))  # (cache bucket, m) -> seconds
+        self.verify = defaultdict(lambda: deque(maxlen=WINDOW))  # (cache bucket, m) -> (timing number, seconds)
         # The same of forwards that ran in a way later ones will not (see `record_verify`), used only where `verify`
         # has none.
         self.unsteady = defaultdict(lambda: deque(maxlen=WINDOW))
@@ -59,7 +65,7 @@ class CostModel:
         """
         key = (cache_bucket(cache_length), int(new_tokens))
         if key in self.first_seen:
-            (self.verify if steady else self.unsteady)[key].append(seconds)
+            (self.verify if steady else self.unsteady)[key].append((self.num_timings, seconds))
             self.medians.clear()
         self.first_seen.add(key)
         self.num_timings += 1
@@ -79,7 +85,8 @@ class CostModel:
         """{m: median seconds} for the cache bucket of `cache_length`, else for the nearest bucket with timings."""
         key = ("verify", cache_bucket(cache_length))
         if key not in self.medians:
-            timed = {k: t for k, t in self.unsteady.items() if t} | {k: t for k, t in self.verify.items() if t}
+            timed = {k: _recent(t) for k, t in self.unsteady.items() if t}
+            timed |= {k: _recent(t) for k, t in self.verify.items() if t}
             buckets = sorted({bucket for bucket, _ in timed}, key=lambda b: abs(b - key[1]))
             self.medians[key] = {m: statistics.median(times) for (bucket, m), times in timed.items()
                                  if bucket == buckets[0]} if buckets else {}  # fmt: skip
@@ -128,8 +135,14 @@ class CostModel:
         """{"verify_seconds_by_new_tokens": {m: s}, "draft_seconds_by_head": {h: s}} over all cache buckets."""
         by_m = defaultdict(list)
         for (_, m), times in self.verify.items():
-            by_m[m] += times
+            by_m[m] += _recent(times)
         return {
             "verify_seconds_by_new_tokens": {m: statistics.median(t) for m, t in sorted(by_m.items())},
             "draft_seconds_by_head": {h: statistics.median(t) for h, t in sorted(self.draft.items())},
         }
+
+
+def _recent(timings) -> list[float]:
+    """The seconds of `timings` ((timing number, seconds), oldest first) taken within `HORIZON` of the latest."""
+    latest = timings[-1][0]
+    return [seconds for number, seconds in timings if number > latest - HORIZON]

@@ -125,7 +125,7 @@ class Drafter:
         self.controller = SpeculationController(
             lambda batch: self.state.cost_model_for(batch, device, dtype),
             self.state.acceptance_for(self.kind, config.n_predict), self.num_heads,
-            self.tree.new_tokens if self.tree else (lambda depth: depth + 1), fixed,
+            self.tree.new_tokens if self.tree else None, fixed,
         )  # fmt: skip
         self.stopwatch = Stopwatch(device)
         self.agreement = RankAgreement.for_model(self.verifier)
@@ -148,9 +148,9 @@ class Drafter:
         `host_tokens`, kept on the host by calls that draft from it).
         """
         self.stopwatch.poll()
-        planned = self.controller.start_step(cache_length, len(rows))
         # Never draft a token the verifier could not emit: its forward also adds one token of its own.
         room = [max(0, self.max_length - length - 1) for length in lengths]
+        planned = self.controller.start_step(cache_length, len(rows), max(room) + 1)
         step = DraftStep(self.controller.step, planned, room, min(self.num_heads, max(room)), [False] * len(rows))
         if self.hybrid is not None:  # on the host, before any head: rows that draft from lookup run none
             step.lookup, step.from_lookup = self.hybrid.propose(host_tokens, rows, room)
