@@ -21,6 +21,8 @@ WINDOW = 16
 # machine than the costs they would be compared with (measured on a shared 2-core CPU: a plain step timed at 86 ms in a
 # slow spell, then 60 ms for the rest of the run, kept the controller drafting at a loss while it drafted): left out.
 HORIZON = 2 * WINDOW
+# The fewest timings a cost is read from, however old (a median of three ignores one outlier).
+FEWEST = 3
 # Steps that may be forced to verify an `m` until a steady timing of it comes back.
 UNTIMED_TRIES = 4
 
@@ -143,6 +145,11 @@ class CostModel:
 
 
 def _recent(timings) -> list[float]:
-    """The seconds of `timings` ((timing number, seconds), oldest first) taken within `HORIZON` of the latest."""
+    """
+    The seconds of `timings` ((timing number, seconds), oldest first) taken within `HORIZON` of the latest, or the
+    latest `FEWEST` where fewer are: a depth the controller seldom runs is re-timed seldom, and one timing alone, on a
+    slow moment, would keep it from being chosen until its next.
+    """
     latest = timings[-1][0]
-    return [seconds for number, seconds in timings if number > latest - HORIZON]
+    recent = [seconds for number, seconds in timings if number > latest - HORIZON]
+    return recent if len(recent) >= FEWEST else [seconds for _, seconds in list(timings)[-FEWEST:]]
