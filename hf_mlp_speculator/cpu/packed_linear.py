@@ -22,6 +22,7 @@ or disagrees, one INFO line says so and decoding runs on the plain weights, on a
 """
 
 import contextlib
+import statistics
 import time
 import weakref
 from collections import deque
@@ -50,7 +51,7 @@ OPS = _find_ops()
 # fp32 kernels that sum in another order differ by 3e-6 to 2e-5 of it (measured on SmolLM2-135M).
 TOLERANCE = 1e-4
 
-# Forwards of each kind a shape runs before the two are compared, and how many recent ones the comparison reads.
+# Forwards of each kind a shape runs before the two are compared, and how many recent comparisons decide.
 TRIALS, WINDOW = 3, 16
 # One forward in this many, per shape, runs the kind that measured slower, so that a change of the machine shows.
 EXPLORE_EVERY = 50
@@ -132,16 +133,22 @@ def packed_matches_plain(model: nn.Module, inputs: torch.LongTensor | None = Non
 
 class PackingChoice:
     """
-    Packed or plain, per forward of a model, from the model's own recent forwards of the same shape (`shape`): each
-    kind's fastest of its last `WINDOW` forwards. A machine's noise
-    only ever adds time, so the fastest is the steadiest measure of what a kind can do. Each kind runs a first forward
-    of a shape that is not counted (the first calls of a process or of a kernel pay one-time costs), then `TRIALS`
-    that are; after that the faster kind runs, and one forward in `EXPLORE_EVERY` the slower one, so that a choice
-    the real forwards show losing is undone.
+    Packed or plain, per forward of a model, from the model's own forwards of the same shape (`shape`). Each kind runs
+    a first forward of a shape that is not counted (the first calls of a process or of a kernel pay one-time costs),
+    then `TRIALS` that are, by turns; after that the faster kind runs, and one forward in `EXPLORE_EVERY` the slower
+    one, so that a choice the real forwards show losing is undone.
+
+    Which is faster is read side by side: each time a shape's forward runs the other kind than its previous one, the
+    two make a ratio (packed seconds over plain seconds), and the median of the last `WINDOW` ratios decides. Two
+    neighbouring forwards share the machine's spell; each kind's best time over its own recent forwards does not,
+    since the slower kind runs once in `EXPLORE_EVERY` (measured on a shared 2-core CPU: a slow spell of the plain
+    weights against an old fast timing of the packed ones ran 16 forwards in a row on the packed weights, 27% slower).
     """
 
     def __init__(self):
         self.times = {}  # (batch bucket, tokens bucket) -> {packed: deque of seconds}
+        self.ratios = {}  # (batch bucket, tokens bucket) -> deque of packed / plain seconds of neighbouring forwards
+        self.previous = {}  # (batch bucket, tokens bucket) -> (packed, seconds) of its latest counted forward
         self.forwards = {}  # (batch bucket, tokens bucket) -> forwards run
         self.steady = True  # whether the latest forward ran on the kind that measured faster (no trial, no exploring)
 
@@ -157,17 +164,22 @@ class PackingChoice:
         count = self.forwards[shape] = self.forwards.get(shape, 0) + 1
         short = [packed for packed in (False, True) if times[packed] is None or len(times[packed]) < TRIALS]
         self.steady = not short and count % EXPLORE_EVERY != 0
-        if short:  # both kinds, by turns, until each has its trials
+        if short or not self.ratios.get(shape):  # both kinds, by turns, until each has its trials
             return short[0] if len(short) == 1 else bool(count % 2)
-        faster = min(times[True]) < min(times[False])
+        faster = statistics.median(self.ratios[shape]) < 1
         return faster != (count % EXPLORE_EVERY == 0)
 
     def record(self, shape, packed: bool, seconds: float) -> None:
         times = self.times.setdefault(shape, {False: None, True: None})
         if times[packed] is None:  # this kind's first forward of the shape: one-time costs, not counted
             times[packed] = deque(maxlen=WINDOW)
-        else:
-            times[packed].append(seconds)
+            return
+        times[packed].append(seconds)
+        previous = self.previous.get(shape)
+        if previous is not None and previous[0] != packed:
+            plain, packed_seconds = (previous[1], seconds) if packed else (seconds, previous[1])
+            self.ratios.setdefault(shape, deque(maxlen=WINDOW)).append(packed_seconds / max(plain, 1e-9))
+        self.previous[shape] = (packed, seconds)
 
     def summary(self) -> dict:
         """{(batch bucket, tokens bucket): (plain seconds, packed seconds)}: each kind's fastest recent forward."""
