@@ -321,7 +321,8 @@ def split_section(folder: Path, trained, dtype, dry: bool, new_tokens: int, offl
         rows.append({"speculator_on": side, "device_map": {k: str(v) for k, v in device_map.items()},
                      "speedup": plain / speculative, "identical": torch.equal(output, expected),
                      "row_ended_early": ended, "tokens_per_step": metrics.mean_tokens_per_step,
-                     "steps_by_depth": metrics.steps_by_depth, "plain_s": plain, "speculative_s": speculative})  # fmt: skip
+                     "steps_by_depth": metrics.steps_by_depth,
+                     "plain_s": plain, "speculative_s": speculative})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

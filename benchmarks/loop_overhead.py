@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_host_syncs import HostSyncs  # noqa: E402
 from test_loop_overhead import OperationCount  # noqa: E402
 
-from hf_mlp_speculator import FixedDepth, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, speculation_state  # noqa: E402  # noqa: E402
+from hf_mlp_speculator import FixedDepth, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, speculation_state  # noqa: E402
 from hf_mlp_speculator.generation import mixin as generation
 from hf_mlp_speculator.generation.speculative_decoding import SpeculativeBatch  # noqa: E402
 from hf_mlp_speculator.generation.transformers_hooks import cache_kwargs, output_cache  # noqa: E402

@@ -164,7 +164,7 @@ class PackingChoice:
         count = self.forwards[shape] = self.forwards.get(shape, 0) + 1
         short = [packed for packed in (False, True) if times[packed] is None or len(times[packed]) < TRIALS]
         self.steady = not short and count % EXPLORE_EVERY != 0
-        if short or not self.ratios.get(shape):  # both kinds, by turns, until each has its trials
+        if short or not self.ratios.get(shape):  # both kinds, by turns, until each has its trials and a ratio
             return short[0] if len(short) == 1 else bool(count % 2)
         faster = statistics.median(self.ratios[shape]) < 1
         return faster != (count % EXPLORE_EVERY == 0)

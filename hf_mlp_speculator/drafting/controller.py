@@ -7,9 +7,10 @@ of the verifier forward and the draft heads). Depth 0 is a plain decoding step, 
 A chain's depth is chosen in two moves, so that a GPU never waits on the host between heads: before drafting,
 `start_step` plans from the acceptance observed so far (0: a plain step); the heads then draft as deep as any chain
 could pay (were every draft before a head kept), and `chain_end` reads all their confidences in one transfer and ends
-the chain at the first head `j` where going on would not pay, judged from drafts `0 .. j - 1` alone. The plan counts
-every head drafted: on a CPU a head costs a few percent of a verifier forward, which decides a close call. So whether a draft is verified never depends on its
-own value, the verifier sees drafts drawn from exactly the distribution they are divided by, and sampling stays exact.
+the chain at the first head `j` where going on would not pay, judged from drafts `0 .. j - 1` alone. So whether a
+draft is verified never depends on its own value, the verifier sees drafts drawn from exactly the distribution they
+are divided by, and sampling stays exact. The plan counts every head drafted: on a CPU a head costs a few percent of a
+verifier forward, which decides a close call.
 
 Everything here runs on the host, in Python and numpy: timings arrive as floats, confidences as lists.
 """
@@ -71,16 +72,17 @@ def best_depth(prefix, tail_acceptance, step_costs, open_rows=None, remaining: i
 
     A batch's call ends with its slowest row. Rows that draft advance by different counts, and with `remaining` tokens
     left per row the slowest of `rows` falls about `z` standard deviations of a row's total behind the mean (`z` the
-    expected largest of `rows` standard normal draws), so its tokens count at the mean rate slowed by that lag. Measured
-    on 8 rows at 1.2 tokens per step and 64 new tokens: 61 steps where the mean rate says 55. A plain step has no lag.
+    expected largest of `rows` standard normal draws), so its tokens count at the mean rate slowed by that lag.
+    Measured on 8 rows at 1.2 tokens per step and 64 new tokens: 61 steps where the mean rate says 55. A plain step
+    has no lag.
     """
     tokens, variance = token_moments(prefix, tail_acceptance, open_rows)
     rows = np.shape(prefix)[0]
     if rows > 1 and remaining:
         z = NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25))  # Blom's approximation
-        # Over n = remaining / mean steps, the slowest row lags z * sqrt(n * variance) tokens, which take it
-        # z * sqrt(variance / (remaining * mean)) of those n steps more.
-        tokens = tokens / (1 + z * np.sqrt(variance / rows / (remaining * tokens / rows)))
+        # Per row, over n = remaining / mean steps, the slowest lags z * sqrt(n * variance) tokens, which take it
+        # z * sqrt(variance / (remaining * mean)) of those n steps more; the rows' sums give the same ratio.
+        tokens = tokens / (1 + z * np.sqrt(variance / (remaining * tokens)))
     rates = [float(t) / c if c > 0 else math.inf for t, c in zip(tokens, step_costs)]
     best = max(rates)
     return np.shape(prefix)[1] + next(d for d, rate in enumerate(rates) if rate >= best * (1 - 1e-9))
@@ -211,9 +213,10 @@ class SpeculationController:
         return self.step.forced if self.step.forced is not None else max(planned, self.step.heads)
 
     def _reach(self, rows: int, means: list[float]) -> int:
-        """The deepest a chain may pay to go this step: past head `j` only if it would pay were drafts `< j` all kept."""
+        """The deepest a chain may pay to go: past head `j` only where it would pay were drafts `< j` all kept."""
         for j in range(1, self.cap):
-            if best_depth(np.ones((rows, j)), means[j:], self.step_costs(j), remaining=self.step.remaining) <= j:
+            prefix = np.ones((rows, j))
+            if best_depth(prefix, means[j:], self.step_costs(j), remaining=self.step.remaining) <= j:
                 return j
         return self.cap
 

@@ -208,7 +208,8 @@ def markdown_table(rows: list[dict]) -> str:
         same = None if r["identical_to_baseline"] is None else ("yes" if r["identical_to_baseline"] else "NO")
         lines.append(
             f"| {r['mode']} | {fmt(r['tokens_per_second'], '{:.1f}')} | {fmt(r['speedup'], '{:.2f}x')} | "
-            f"{fmt(r.get('speedup_over_faster_weights'), '{:.2f}x')} | {fmt(r['latency_ms_median'], '{:.1f}')} | {fmt(r['latency_ms_p90'], '{:.1f}')} | "
+            f"{fmt(r['speedup_over_faster_weights'], '{:.2f}x')} | {fmt(r['latency_ms_median'], '{:.1f}')} | "
+            f"{fmt(r['latency_ms_p90'], '{:.1f}')} | "
             f"{fmt(r['tokens_per_step'])} | {fmt(r['acceptance_rate'])} | {fmt(heads, '{}')} | {fmt(same, '{}')} |"
         )
     return "\n".join(lines) + "\n"
@@ -374,10 +375,11 @@ def batch_markdown_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | {r['faster_weights_tokens_per_second']:.1f} | "
-            f"{r['speculative_tokens_per_second']:.1f} | {r['speedup']:.2f}x | {r['speedup_over_faster_weights']:.2f}x | "
-            f"{r['plain_per_user_tokens_per_second']:.2f} | "
-            f"{r['speculative_per_user_tokens_per_second']:.2f} | {r['tokens_per_step']:.2f} | "
+            f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | "
+            f"{r['faster_weights_tokens_per_second']:.1f} | {r['speculative_tokens_per_second']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['speedup_over_faster_weights']:.2f}x | "
+            f"{r['plain_per_user_tokens_per_second']:.2f} | {r['speculative_per_user_tokens_per_second']:.2f} | "
+            f"{r['tokens_per_step']:.2f} | "
             f"{r['acceptance_rate']:.2f} | {'yes' if r['identical'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
