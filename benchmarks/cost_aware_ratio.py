@@ -8,7 +8,7 @@ speculative calls are timed from the process's first. Prints both speedups (the 
 speculative calls'): against plain `generate()`, and against it on the faster weights, which is what the drafts bring;
 whether every output was identical, the depths the controller chose, and the CPU it ran on.
 
-    python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64
+    python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64 --repeats 2
     python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8 --first-call
     python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7   # sampled, each batch under one seed
     python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7 --rejection   # transformers' sampling
@@ -32,6 +32,9 @@ def main():
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the prompts this many times (a batch of 32 is one call per pass, and two calls of a "
+                             "shared machine differ by up to 20%%)")
     parser.add_argument("--assistant-confidence-threshold", type=float, help="passed to the speculative calls only")
     parser.add_argument("--tree", action="store_true", help="draft trees (the speculator's n_candidates)")
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
@@ -46,7 +49,7 @@ def main():
     for size in [int(s) for s in args.batch_sizes.split(",")]:
         batches = [left_padded(prompts[i : i + size], pad) for i in range(0, len(prompts) - size + 1, size)]
         seconds, same, metrics = {"plain": 0.0, "faster weights": 0.0, "speculative": 0.0}, True, None
-        for index, (input_ids, mask) in enumerate([batches[0]] + batches):
+        for index, (input_ids, mask) in enumerate([batches[0]] + batches * args.repeats):
             warmup = index == 0
             kwargs = dict(attention_mask=mask, do_sample=args.temperature is not None, pad_token_id=pad,
                           max_new_tokens=WARMUP_TOKENS * 2 if warmup else args.max_new_tokens)  # fmt: skip
@@ -79,7 +82,7 @@ def main():
             f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x over plain generate(), "
             f"{seconds['faster weights'] / seconds['speculative']:.2f}x over it on the faster weights "
             f"(plain {seconds['plain']:.1f} s, faster weights {seconds['faster weights']:.1f} s, "
-            f"speculative {seconds['speculative']:.1f} s, {len(batches)} batches), "
+            f"speculative {seconds['speculative']:.1f} s, {len(batches) * args.repeats} calls each), "
             f"identical: {'n/a (sampled)' if args.temperature is not None else 'yes' if same else 'NO'}, "
             f"tokens/step {metrics.mean_tokens_per_step:.2f}, "
             f"steps by k {metrics.steps_by_depth}, verify ms by k "

@@ -161,14 +161,30 @@ def run_controller(controller, steps: int, seconds_of_depth) -> list[int]:
     return chosen
 
 
-def test_every_depth_is_timed_twice_then_exploration_stays_within_its_share():
+def test_depths_are_timed_shallowest_first_while_one_could_pay_then_exploration_stays_within_its_share():
     costs = CostModel()
     controller = SpeculationController(lambda rows: costs, AcceptanceEstimate(2), cap=2)
     chosen = run_controller(controller, 400, lambda depth: 1.0 + depth)  # 1 s per token: only plain steps pay
-    # Never-timed depths first, twice each: their first timings pay one-time costs and are left out.
-    assert chosen[:6] == [0, 0, 1, 1, 2, 2]
-    explored = [d for d in chosen[6:] if d]  # exploration steps that drafted; each cost 1 + d seconds
+    # Never-timed depths first, twice each: their first timings pay one-time costs and are left out. Depth 1 could pay
+    # while only a plain step was timed (its prior: 1.5 tokens at a plain step's cost); depth 2 cannot at depth 1's
+    # cost (1.75 tokens in 2 s), so it is never timed (a batch of 32 on a CPU spent 13 of 63 steps timing every depth).
+    assert chosen[:4] == [0, 0, 1, 1] and 2 not in chosen
+    explored = [d for d in chosen[4:] if d]  # exploration steps that drafted; each cost 1 + d seconds
     assert explored and sum(1.0 + d for d in explored) <= 0.02 * sum(1.0 + d for d in chosen)
+    # Where verification is cheap (a GPU), each depth could pay at the deepest timed one's cost: all are timed.
+    costs = CostModel()
+    controller = SpeculationController(lambda rows: costs, AcceptanceEstimate(2), cap=2)
+    assert run_controller(controller, 6, lambda depth: 1.0 + 0.01 * depth) == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_depth_left_untimed_is_timed_once_acceptance_says_it_could_pay():
+    costs, acceptance = CostModel(), AcceptanceEstimate(2)
+    controller = SpeculationController(lambda rows: costs, acceptance, cap=2)
+    # Under the prior (each head kept half the time), depth 2 would bring 1.75 tokens for at least depth 1's 1.8 s.
+    assert run_controller(controller, 8, lambda depth: 1.0 + 0.8 * depth) == [0, 0, 1, 1, 0, 0, 0, 0]
+    # Both heads turn out nearly always right: depth 2 could now pay (2.9 tokens for at least 1.8 s).
+    acceptance.record(torch.full((60, 2), 0.9, dtype=torch.float64), [2] * 60, [2] * 60)
+    assert run_controller(controller, 2, lambda depth: 1.0 + 0.8 * depth) == [2, 2]
 
 
 def test_a_plain_step_timed_in_a_slow_spell_is_soon_timed_again():

@@ -198,10 +198,10 @@ class SpeculationController:
         if rows not in self.cost_models:
             self.cost_models[rows] = self.cost_model_for(rows)
         self.step = StepPlan(cache_length, self.cost_models[rows], remaining=remaining)
-        self.step.forced = self.fixed_depth if self.fixed_depth is not None else self._forced_depth()
+        means = [self.acceptance.mean(h) for h in range(self.cap)]
+        self.step.forced = self.fixed_depth if self.fixed_depth is not None else self._forced_depth(rows, means)
         if self.step.forced is not None:
             return self.step.forced
-        means = [self.acceptance.mean(h) for h in range(self.cap)]
         if self.chains:
             self.step.heads = self._reach(rows, means)
         return best_depth(np.ones((rows, 0)), means, self.step_costs(), remaining=remaining)
@@ -263,18 +263,24 @@ class SpeculationController:
         metrics.steps_by_depth, metrics.verify_seconds_by_depth = list(self.depth_counts), list(self.verify_seconds)
         metrics.draft_runs_by_head, metrics.draft_seconds_by_head = list(self.draft_runs), list(self.draft_seconds)
 
-    def _forced_depth(self) -> int | None:
+    def _forced_depth(self, rows: int, means: list[float]) -> int | None:
         """
-        A depth to run whatever the estimates: first each depth never timed (twice: its first timing is left out, see
-        `CostModel.record_verify`), then, within the exploration share, the depth tried longest ago.
+        A depth to run whatever the estimates. First the shallowest depth never timed (twice: its first timing is
+        left out, see `CostModel.record_verify`), while it could pay: a depth deeper than every timed one is costed as
+        the deepest timed (costs never fall with depth), so timing stops at the first depth that would not pay even at
+        that cost, and a later call times it only once the acceptance it sees says it could. Then, within the
+        exploration share, the timed depth tried longest ago.
         """
         cost_model, cache_length = self.step.cost_model, self.step.cache_length
         stale = {d: cost_model.staleness(cache_length, self.new_tokens(d)) for d in range(self.cap + 1)}
         never = [d for d, age in stale.items() if age == math.inf]
         costs = self.step_costs()
-        target = never[0] if never else max(stale, key=stale.get)
-        # No timings to weigh yet (steps that drafted from prompt lookup time nothing): time this depth.
-        if not never and costs is not None:
+        # No timings to weigh yet (steps that drafted from prompt lookup time nothing): time the shallowest depth.
+        if never and (costs is None or never[0] <= best_depth(np.ones((rows, 0)), means, costs,
+                                                              remaining=self.step.remaining)):  # fmt: skip
+            target = never[0]
+        else:
+            target = max((d for d in stale if d not in never), key=stale.get)
             if cost_model.exploring_seconds + costs[target] > EXPLORATION_SHARE * cost_model.total_seconds:
                 return None
             cost_model.exploring_seconds += costs[target]  # the whole step: even a cheap depth may emit less
