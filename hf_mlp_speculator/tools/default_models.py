@@ -157,6 +157,9 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
         model.load_state_dict(gguf_model.state_dict())
         model.generation_config = gguf_model.generation_config
     with timed_step(f"Saving it to {output_dir.name}"):
+        # The GGUF tokenizer asks for WordPiece's space clean-up, which a BPE tokenizer ignores with a warning on every
+        # decode; SmolLM2's own tokenizer does not ask for it. Decoded text is the same either way.
+        tokenizer.clean_up_tokenization_spaces = False
         model.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
 
