@@ -2,11 +2,12 @@
 
 For each batch size, the evaluation prompts (never trained on) run in batches of that size, plain `generate()`, plain
 `generate()` on the faster of packed and plain weights (`fast_cpu_decoding`) and speculative `generate()` taking turns
-batch by batch, after a warm-up at each size that pays the one-time costs of the process (packing the weights, the
-first timings of each depth and kind of weights); with `--first-call` only plain decoding is warmed up, and the
-speculative calls are timed from the process's first. Prints both speedups (the plain calls' seconds over the
-speculative calls'): against plain `generate()`, and against it on the faster weights, which is what the drafts bring;
-whether every output was identical, the depths the controller chose, and the CPU it ran on.
+batch by batch (each kind first in turn), after a warm-up at each size that pays the one-time costs of the process
+(packing the weights, the first timings of each depth and kind of weights); with `--first-call` only plain decoding is
+warmed up, and the speculative calls are timed from the process's first. Prints both speedups (the plain calls' seconds
+over the speculative calls', and the median of the same ratio call by call): against plain `generate()`, and against
+it on the faster weights, which is what the drafts bring; whether every output was identical, the depths the
+controller chose, and the CPU it ran on.
 
     python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64 --repeats 2
     python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8 --first-call
@@ -16,6 +17,7 @@ whether every output was identical, the depths the controller chose, and the CPU
 
 import argparse
 import contextlib
+import statistics
 import time
 
 import torch
@@ -48,7 +50,7 @@ def main():
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for size in [int(s) for s in args.batch_sizes.split(",")]:
         batches = [left_padded(prompts[i : i + size], pad) for i in range(0, len(prompts) - size + 1, size)]
-        seconds, same, metrics = {"plain": 0.0, "faster weights": 0.0, "speculative": 0.0}, True, None
+        calls, same, metrics = {"plain": [], "faster weights": [], "speculative": []}, True, None
         for index, (input_ids, mask) in enumerate([batches[0]] + batches * args.repeats):
             warmup = index == 0
             kwargs = dict(attention_mask=mask, do_sample=args.temperature is not None, pad_token_id=pad,
@@ -63,7 +65,9 @@ def main():
                 speculative["speculative_sampling"] = "rejection"
             if args.assistant_confidence_threshold is not None:
                 speculative["assistant_confidence_threshold"] = args.assistant_confidence_threshold
-            for name, extra in (("plain", {}), ("faster weights", {}), ("speculative", speculative)):
+            runs = [("plain", {}), ("faster weights", {}), ("speculative", speculative)]
+            # Each kind of call goes first in turn: a kind always run after another would inherit its warm caches.
+            for name, extra in runs[index % 3 :] + runs[: index % 3]:
                 if warmup and args.first_call and extra:
                     continue
                 faster = name == "faster weights"
@@ -72,17 +76,23 @@ def main():
                 with torch.no_grad(), fast_cpu_decoding(model) if faster else contextlib.nullcontext():
                     outputs[name] = model.generate(input_ids, **kwargs, **extra)
                 if not warmup:
-                    seconds[name] += time.perf_counter() - start
+                    calls[name].append(time.perf_counter() - start)
             if not warmup:
                 same &= torch.equal(outputs["plain"], outputs["speculative"])
                 same &= torch.equal(outputs["plain"], outputs["faster weights"])
                 call = speculator.speculation_metrics
                 metrics = call if metrics is None else metrics + call
+        seconds = {name: sum(times) for name, times in calls.items()}
+        # Per call, the ratio of neighbouring calls on the same prompts: a slow spell of a shared machine that hits one
+        # call moves the median less than the sums.
+        per_call = {base: statistics.median(b / s for b, s in zip(calls[base], calls["speculative"]))
+                    for base in ("plain", "faster weights")}  # fmt: skip
         print(
             f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x over plain generate(), "
             f"{seconds['faster weights'] / seconds['speculative']:.2f}x over it on the faster weights "
             f"(plain {seconds['plain']:.1f} s, faster weights {seconds['faster weights']:.1f} s, "
-            f"speculative {seconds['speculative']:.1f} s, {len(batches) * args.repeats} calls each), "
+            f"speculative {seconds['speculative']:.1f} s, {len(batches) * args.repeats} calls each; median per call "
+            f"{per_call['plain']:.2f}x and {per_call['faster weights']:.2f}x), "
             f"identical: {'n/a (sampled)' if args.temperature is not None else 'yes' if same else 'NO'}, "
             f"tokens/step {metrics.mean_tokens_per_step:.2f}, "
             f"steps by k {metrics.steps_by_depth}, verify ms by k "
