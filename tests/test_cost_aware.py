@@ -200,8 +200,7 @@ def test_a_plain_step_timed_in_a_slow_spell_is_soon_timed_again():
     chosen = run_controller(controller, 300, true_cost.get)
     assert chosen[0] > 0  # the stale timing makes drafting look better
     # A re-timing replaces timings older than `HORIZON` once three fresh ones (a median that ignores one outlier) are
-    # in, and fewer read as the fastest of the latest three: the controller turns to plain steps after one re-timing of
-    # the plain step (it once took five of sixteen).
+    # in: the controller turns to plain steps after two re-timings of the plain step (before, it took five of sixteen).
     switch = "".join(map(str, chosen)).index("0" * 10)
     assert switch < 150
     # From there on, expected tokens per second (head 0 kept 86% of the time, head 1 half as often) within 2% of
@@ -210,24 +209,6 @@ def test_a_plain_step_timed_in_a_slow_spell_is_soon_timed_again():
     later = chosen[switch:]
     assert sum(tokens[d] for d in later) / sum(true_cost[d] for d in later) >= 0.98
     assert costs.verify_cost(50, 1) == true_cost[0]
-
-
-
-def test_a_drafting_depth_timed_in_a_slow_spell_is_chosen_again_after_one_re_timing():
-    # The reverse case: one draft pays (1.5 tokens for 1.05 s), but its timings came from a slow spell (2 s), so the
-    # controller takes plain steps. Only an exploration step re-times it; from that one timing it drafts again.
-    costs, acceptance = CostModel(), AcceptanceEstimate(2)
-    acceptance.record(torch.full((50, 2), 0.5, dtype=torch.float64), [2] * 50, [0] * 25 + [1] * 25)  # heads: 0.5, 0
-    true_cost = {0: 1.0, 1: 1.05, 2: 1.1}
-    for m, seconds in ((2, 2.0), (3, 2.1), (1, true_cost[0])):  # m = 2 and 3 timed in the slow spell
-        for _ in range(4):
-            costs.record_verify(50, m, seconds)
-    controller = SpeculationController(lambda rows: costs, acceptance, cap=2)
-    chosen = run_controller(controller, 200, true_cost.get)
-    first = chosen.index(1)
-    assert chosen[:first] == [0] * first and first < 120  # the first exploration step (2% of the time)
-    # Read from the one fresh timing: before, from the median of it and two from the slow spell, until a second one.
-    assert chosen[first : first + 40].count(1) >= 38
 
 
 @pytest.fixture

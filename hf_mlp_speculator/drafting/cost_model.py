@@ -21,7 +21,7 @@ WINDOW = 16
 # machine than the costs they would be compared with (measured on a shared 2-core CPU: a plain step timed at 86 ms in a
 # slow spell, then 60 ms for the rest of the run, kept the controller drafting at a loss while it drafted): left out.
 HORIZON = 2 * WINDOW
-# The fewest fresh timings a cost's median is read from (a median of three ignores one outlier); see `_recent`.
+# The fewest timings a cost is read from, however old (a median of three ignores one outlier).
 FEWEST = 3
 # Steps that may be forced to verify an `m` until a steady timing of it comes back.
 UNTIMED_TRIES = 4
@@ -146,13 +146,10 @@ class CostModel:
 
 def _recent(timings) -> list[float]:
     """
-    The seconds of `timings` ((timing number, seconds), oldest first) taken within `HORIZON` of the latest where there
-    are `FEWEST`, else the fastest of the latest `FEWEST`. A depth timed that seldom is one the controller does not
-    choose, re-timed only by exploration steps (one in about 50 steps, shared by the depths). Read high, from a slow
-    spell, it would wait for the next of them (on a shared 2-core CPU at batch 1, a call ran 513 plain steps of 901
-    where one draft cost 3% more than a plain step and brought 22% more tokens); read low, it is chosen, timed every
-    step, and read from `FEWEST` fresh timings again within as many steps.
+    The seconds of `timings` ((timing number, seconds), oldest first) taken within `HORIZON` of the latest, or the
+    latest `FEWEST` where fewer are: a depth the controller seldom runs is re-timed seldom, and one timing alone, on a
+    slow moment, would keep it from being chosen until its next.
     """
     latest = timings[-1][0]
     recent = [seconds for number, seconds in timings if number > latest - HORIZON]
-    return recent if len(recent) >= FEWEST else [min(seconds for _, seconds in list(timings)[-FEWEST:])]
+    return recent if len(recent) >= FEWEST else [seconds for _, seconds in list(timings)[-FEWEST:]]
