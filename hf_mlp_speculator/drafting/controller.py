@@ -198,8 +198,11 @@ class SpeculationController:
         if rows not in self.cost_models:
             self.cost_models[rows] = self.cost_model_for(rows)
         self.step = StepPlan(cache_length, self.cost_models[rows], remaining=remaining)
+        if self.fixed_depth is not None:
+            self.step.forced = self.fixed_depth
+            return self.fixed_depth
         means = [self.acceptance.mean(h) for h in range(self.cap)]
-        self.step.forced = self.fixed_depth if self.fixed_depth is not None else self._forced_depth(rows, means)
+        self.step.forced = self._forced_depth(rows, means)
         if self.step.forced is not None:
             return self.step.forced
         if self.chains:
