@@ -28,7 +28,7 @@ from hf_mlp_speculator.tools.runs import WARMUP_TOKENS, encode_prompts, load_pai
 from hf_mlp_speculator.training.documents import left_padded
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--speculator", help="a folder, or 'untrained' (default: the default speculator)")
     parser.add_argument("--batch-sizes", default="1,8")
@@ -43,62 +43,83 @@ def main():
     parser.add_argument("--rejection", action="store_true", help="speculative_sampling='rejection' (batch 1)")
     parser.add_argument("--first-call", action="store_true",
                         help="time the speculative calls from the process's first (the warm-up call is plain only)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def speculative_kwargs(args, speculator) -> dict:
+    """What the speculative calls pass beyond the plain ones."""
+    speculative = {"assistant_model": speculator}
+    if args.tree:
+        speculative["n_candidates"] = speculator.config.n_candidates
+    if args.rejection:
+        speculative["speculative_sampling"] = "rejection"
+    if args.assistant_confidence_threshold is not None:
+        speculative["assistant_confidence_threshold"] = args.assistant_confidence_threshold
+    return speculative
+
+
+def time_calls(model, speculator, batches, args, pad):
+    """
+    Each batch through the three kinds of call, after a warm-up on the first: ({kind: seconds per call}, whether every
+    output was identical, the speculative calls' summed metrics).
+    """
+    calls, same, metrics = {"plain": [], "faster weights": [], "speculative": []}, True, None
+    runs = [("plain", {}), ("faster weights", {}), ("speculative", speculative_kwargs(args, speculator))]
+    for index, (input_ids, mask) in enumerate([batches[0]] + batches * args.repeats):
+        warmup = index == 0
+        kwargs = dict(attention_mask=mask, do_sample=args.temperature is not None, pad_token_id=pad,
+                      max_new_tokens=WARMUP_TOKENS * 2 if warmup else args.max_new_tokens)  # fmt: skip
+        if args.temperature is not None:
+            kwargs.update(temperature=args.temperature, top_k=None, top_p=None)
+        outputs = {}
+        # Each kind of call goes first in turn: a kind always run after another would inherit its warm caches.
+        for name, extra in runs[index % 3 :] + runs[: index % 3]:
+            if warmup and args.first_call and extra:
+                continue
+            faster = name == "faster weights"
+            torch.manual_seed(index)
+            start = time.perf_counter()
+            with torch.no_grad(), fast_cpu_decoding(model) if faster else contextlib.nullcontext():
+                outputs[name] = model.generate(input_ids, **kwargs, **extra)
+            if not warmup:
+                calls[name].append(time.perf_counter() - start)
+        if not warmup:
+            same &= torch.equal(outputs["plain"], outputs["speculative"])
+            same &= torch.equal(outputs["plain"], outputs["faster weights"])
+            call = speculator.speculation_metrics
+            metrics = call if metrics is None else metrics + call
+    return calls, same, metrics
+
+
+def report(size: int, calls: dict, same: bool, metrics, sampled: bool) -> None:
+    seconds = {name: sum(times) for name, times in calls.items()}
+    # Per call, the ratio of neighbouring calls on the same prompts: a slow spell of a shared machine that hits one
+    # call moves the median less than the sums.
+    per_call = {base: statistics.median(b / s for b, s in zip(calls[base], calls["speculative"]))
+                for base in ("plain", "faster weights")}  # fmt: skip
+    print(
+        f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x over plain generate(), "
+        f"{seconds['faster weights'] / seconds['speculative']:.2f}x over it on the faster weights "
+        f"(plain {seconds['plain']:.1f} s, faster weights {seconds['faster weights']:.1f} s, "
+        f"speculative {seconds['speculative']:.1f} s, {len(calls['speculative'])} calls each; median per call "
+        f"{per_call['plain']:.2f}x and {per_call['faster weights']:.2f}x), "
+        f"identical: {'n/a (sampled)' if sampled else 'yes' if same else 'NO'}, "
+        f"tokens/step {metrics.mean_tokens_per_step:.2f}, "
+        f"steps by k {metrics.steps_by_depth}, verify ms by k "
+        f"{ {k: round(s * 1000, 1) for k, s in metrics.mean_verify_seconds.items()} }",
+        flush=True,
+    )
+
+
+def main():
+    args = parse_args()
     model, tokenizer, speculator = load_pair(None, args.speculator)
     print(machine_description(), flush=True)
     prompts = [p[0].tolist() for p in encode_prompts(tokenizer, evaluation_prompts()[: args.num_prompts])]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for size in [int(s) for s in args.batch_sizes.split(",")]:
         batches = [left_padded(prompts[i : i + size], pad) for i in range(0, len(prompts) - size + 1, size)]
-        calls, same, metrics = {"plain": [], "faster weights": [], "speculative": []}, True, None
-        for index, (input_ids, mask) in enumerate([batches[0]] + batches * args.repeats):
-            warmup = index == 0
-            kwargs = dict(attention_mask=mask, do_sample=args.temperature is not None, pad_token_id=pad,
-                          max_new_tokens=WARMUP_TOKENS * 2 if warmup else args.max_new_tokens)  # fmt: skip
-            if args.temperature is not None:
-                kwargs.update(temperature=args.temperature, top_k=None, top_p=None)
-            outputs = {}
-            speculative = {"assistant_model": speculator}
-            if args.tree:
-                speculative["n_candidates"] = speculator.config.n_candidates
-            if args.rejection:
-                speculative["speculative_sampling"] = "rejection"
-            if args.assistant_confidence_threshold is not None:
-                speculative["assistant_confidence_threshold"] = args.assistant_confidence_threshold
-            runs = [("plain", {}), ("faster weights", {}), ("speculative", speculative)]
-            # Each kind of call goes first in turn: a kind always run after another would inherit its warm caches.
-            for name, extra in runs[index % 3 :] + runs[: index % 3]:
-                if warmup and args.first_call and extra:
-                    continue
-                faster = name == "faster weights"
-                torch.manual_seed(index)
-                start = time.perf_counter()
-                with torch.no_grad(), fast_cpu_decoding(model) if faster else contextlib.nullcontext():
-                    outputs[name] = model.generate(input_ids, **kwargs, **extra)
-                if not warmup:
-                    calls[name].append(time.perf_counter() - start)
-            if not warmup:
-                same &= torch.equal(outputs["plain"], outputs["speculative"])
-                same &= torch.equal(outputs["plain"], outputs["faster weights"])
-                call = speculator.speculation_metrics
-                metrics = call if metrics is None else metrics + call
-        seconds = {name: sum(times) for name, times in calls.items()}
-        # Per call, the ratio of neighbouring calls on the same prompts: a slow spell of a shared machine that hits one
-        # call moves the median less than the sums.
-        per_call = {base: statistics.median(b / s for b, s in zip(calls[base], calls["speculative"]))
-                    for base in ("plain", "faster weights")}  # fmt: skip
-        print(
-            f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x over plain generate(), "
-            f"{seconds['faster weights'] / seconds['speculative']:.2f}x over it on the faster weights "
-            f"(plain {seconds['plain']:.1f} s, faster weights {seconds['faster weights']:.1f} s, "
-            f"speculative {seconds['speculative']:.1f} s, {len(batches) * args.repeats} calls each; median per call "
-            f"{per_call['plain']:.2f}x and {per_call['faster weights']:.2f}x), "
-            f"identical: {'n/a (sampled)' if args.temperature is not None else 'yes' if same else 'NO'}, "
-            f"tokens/step {metrics.mean_tokens_per_step:.2f}, "
-            f"steps by k {metrics.steps_by_depth}, verify ms by k "
-            f"{ {k: round(s * 1000, 1) for k, s in metrics.mean_verify_seconds.items()} }",
-            flush=True,
-        )
+        report(size, *time_calls(model, speculator, batches, args, pad), sampled=args.temperature is not None)
 
 
 if __name__ == "__main__":
