@@ -27,6 +27,7 @@ from hf_mlp_speculator.drafting.controller import (
     SpeculationController,
     best_depth,
     expected_tokens,
+    sure_moments,
     token_moments,
 )
 from hf_mlp_speculator.drafting.cost_model import CostModel, batch_bucket, cache_bucket
@@ -95,6 +96,10 @@ def test_token_moments_match_an_enumeration_of_outcomes():
     # Drafts already made (the prefix) count the same as ones still to come.
     made, _ = token_moments(torch.tensor([[0.9]], dtype=torch.float64), [0.5])
     assert made.tolist() == pytest.approx([1.9, 2.35])
+    # The planner's shortcut, where the drafts made are all sure, gives the same moments summed over the rows.
+    for rows, kept, tail in ((1, 0, [0.9, 0.5]), (8, 2, [0.7, 0.3, 0.05]), (32, 3, [])):
+        means, variances = token_moments(torch.ones(rows, kept, dtype=torch.float64), tail)
+        assert sure_moments(rows, kept, tail) == (pytest.approx(means.tolist()), pytest.approx(variances.tolist()))
 
 
 def test_a_batch_counts_its_tokens_at_its_slowest_rows_pace():

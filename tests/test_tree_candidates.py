@@ -98,4 +98,4 @@ def test_trees_teach_the_controller_their_acceptance():
     speculator = make_oracle(verifier, prompt, 30)
     verifier.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=speculator, n_candidates=3)
     estimate = speculation_state(verifier, speculator).acceptance[DraftKind.TREE]
-    assert estimate.drafted.sum() > 0 and estimate.mean(0) > 0.9
+    assert estimate.drafted.sum() > 0 and estimate.means()[0] > 0.9

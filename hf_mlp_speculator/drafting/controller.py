@@ -15,9 +15,11 @@ verifier forward, which decides a close call.
 Everything here runs on the host, in Python and numpy: timings arrive as floats, confidences as lists.
 """
 
+import functools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 from statistics import NormalDist
 
 import numpy as np
@@ -64,11 +66,31 @@ def expected_tokens(prefix, tail_acceptance: list[float], open_rows=None) -> np.
     return token_moments(prefix, tail_acceptance, open_rows)[0]
 
 
-def best_depth(prefix, tail_acceptance, step_costs, open_rows=None, remaining: int | None = None) -> int:
+def sure_moments(rows: int, kept: int, tail_acceptance: list[float]) -> tuple[list[float], list[float]]:
     """
-    The depth `d >= j` (`j = prefix.shape[1]`, drafts already made) that maximises expected tokens /
-    `step_costs[d - j]`, the seconds of a step that ends at depth `d`. The shallowest wins a tie: deeper costs memory
-    for nothing.
+    `token_moments` where every row's first `kept` drafts are sure to be kept and every chain is open, in plain
+    Python: a step plans with it several times, and numpy's per-call cost is most of the work on such small arrays.
+    """
+    first, second, reach = float(kept), float(kept * kept), 1.0  # sum_l (2l - 1) over l = 1 .. kept is kept ** 2
+    means, variances = [rows * (1 + first)], [0.0]
+    for depth, rate in enumerate(tail_acceptance, start=kept + 1):
+        reach *= rate
+        first, second = first + reach, second + (2 * depth - 1) * reach
+        means.append(rows * (1 + first))
+        variances.append(rows * (second - first * first))
+    return means, variances
+
+
+@functools.lru_cache
+def slowest_row_lag(rows: int) -> float:
+    """The expected largest of `rows` standard normal draws (Blom's approximation)."""
+    return NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25))
+
+
+def best_of(tokens, variances, step_costs, rows: int, remaining: int | None = None) -> int:
+    """
+    The index of the best of depths whose step emits `tokens` (with `variances`, summed over `rows` rows) and costs
+    `step_costs` seconds: the most tokens per second, the shallowest of a tie (deeper costs memory for nothing).
 
     A batch's call ends with its slowest row. Rows that draft advance by different counts, and with `remaining` tokens
     left per row the slowest of `rows` falls about `z` standard deviations of a row's total behind the mean (`z` the
@@ -76,16 +98,24 @@ def best_depth(prefix, tail_acceptance, step_costs, open_rows=None, remaining: i
     Measured on 8 rows at 1.2 tokens per step and 64 new tokens: 61 steps where the mean rate says 55. A plain step
     has no lag.
     """
-    tokens, variance = token_moments(prefix, tail_acceptance, open_rows)
-    rows = np.shape(prefix)[0]
     if rows > 1 and remaining:
-        z = NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25))  # Blom's approximation
         # Per row, over n = remaining / mean steps, the slowest lags z * sqrt(n * variance) tokens, which take it
         # z * sqrt(variance / (remaining * mean)) of those n steps more; the rows' sums give the same ratio.
-        tokens = tokens / (1 + z * np.sqrt(variance / (remaining * tokens)))
+        z = slowest_row_lag(rows)
+        tokens = [t / (1 + z * math.sqrt(max(float(v), 0.0) / (remaining * t))) for t, v in zip(tokens, variances)]
     rates = [float(t) / c if c > 0 else math.inf for t, c in zip(tokens, step_costs)]
     best = max(rates)
-    return np.shape(prefix)[1] + next(d for d, rate in enumerate(rates) if rate >= best * (1 - 1e-9))
+    return next(d for d, rate in enumerate(rates) if rate >= best * (1 - 1e-9))
+
+
+def best_depth(prefix, tail_acceptance, step_costs, open_rows=None, remaining: int | None = None) -> int:
+    """
+    The depth `d >= j` (`j = prefix.shape[1]`, drafts already made) that maximises expected tokens /
+    `step_costs[d - j]`, the seconds of a step that ends at depth `d`, with the rows' moments of `token_moments` (see
+    `best_of`).
+    """
+    rows, made = np.shape(prefix)
+    return made + best_of(*token_moments(prefix, tail_acceptance, open_rows), step_costs, rows, remaining)
 
 
 class AcceptanceEstimate:
@@ -111,9 +141,10 @@ class AcceptanceEstimate:
         b = self.bins(confidence)
         return (self.accepted[head, b] + PRIOR_WEIGHT * self.prior[b]) / (self.drafted[head, b] + PRIOR_WEIGHT)
 
-    def mean(self, head: int) -> float:
-        """The same before the draft is made: over the confidences seen so far (the prior's mean, 0.5, before any)."""
-        return float((self.accepted[head].sum() + 0.5 * PRIOR_WEIGHT) / (self.drafted[head].sum() + PRIOR_WEIGHT))
+    def means(self) -> list[float]:
+        """The same per head before the draft is made: over the confidences seen so far (the prior's mean, 0.5, before
+        any)."""
+        return ((self.accepted.sum(axis=1) + 0.5 * PRIOR_WEIGHT) / (self.drafted.sum(axis=1) + PRIOR_WEIGHT)).tolist()
 
     def prefix(self, confidences) -> np.ndarray:
         """`[r, l - 1]`: the chance that row `r`'s drafts `1 .. l`, made with `confidences[r, :l]`, are all kept."""
@@ -136,13 +167,20 @@ class AcceptanceEstimate:
 
 @dataclass
 class StepPlan:
-    """What a step's timings are recorded against: the cache length and cost model it ran at, and its forced depth."""
+    """
+    What a step's timings are recorded against (the cache length and cost model it ran at, and its forced depth), and
+    what its plan read, once for the step: the acceptance means per head, the verifier's cost per depth (None while a
+    depth has no timing to go on) and the cost of drafting `h` heads for each `h`.
+    """
 
     cache_length: int
     cost_model: CostModel
     forced: int | None = None  # the depth of a timing or exploration step
     heads: int = 0  # the heads a chain of this step drafts (`chain_depth`), where more than its depth
     remaining: int | None = None  # the most tokens any row still has to emit
+    means: list[float] = field(default_factory=list)
+    verify: list[float] | None = None
+    drafting: list[float] = field(default_factory=list)
 
 
 class SpeculationController:
@@ -172,19 +210,12 @@ class SpeculationController:
         self.draft_runs, self.draft_seconds = [0] * cap, [0.0] * cap
         self.step_start = None
 
-    def step_costs(self, depth: int = 0, step: "StepPlan | None" = None) -> list[float] | None:
-        """
-        Seconds of a step (this one unless given) ending at each depth `depth .. cap`; None while a depth has no
-        timing to go on.
-        """
-        cost_model, cache_length = (step or self.step).cost_model, (step or self.step).cache_length
-        depths = range(depth, self.cap + 1)
-        verify = [cost_model.verify_cost(cache_length, self.new_tokens(d)) for d in depths]
-        if any(v is None for v in verify):
+    def step_costs(self, depth: int = 0) -> list[float] | None:
+        """Seconds of this step ending at each depth `depth .. cap`; None while a depth has no timing to go on."""
+        step = self.step
+        if step.verify is None:
             return None
-        heads = (step or self.step).heads
-        drafting = [sum(cost_model.draft_cost(h) for h in range(max(d, heads) if d else 0)) for d in depths]
-        return [v + c for v, c in zip(verify, drafting)]
+        return [v + (step.drafting[max(d, step.heads)] if d else 0.0) for d, v in enumerate(step.verify) if d >= depth]
 
     def start_step(self, cache_length: int, rows: int, remaining: int | None = None) -> int:
         """
@@ -197,17 +228,23 @@ class SpeculationController:
         self.step_start = now
         if rows not in self.cost_models:
             self.cost_models[rows] = self.cost_model_for(rows)
-        self.step = StepPlan(cache_length, self.cost_models[rows], remaining=remaining)
+        cost_model = self.cost_models[rows]
+        step = self.step = StepPlan(cache_length, cost_model, remaining=remaining)
         if self.fixed_depth is not None:
-            self.step.forced = self.fixed_depth
+            step.forced = self.fixed_depth
             return self.fixed_depth
-        means = [self.acceptance.mean(h) for h in range(self.cap)]
-        self.step.forced = self._forced_depth(rows, means)
-        if self.step.forced is not None:
-            return self.step.forced
-        if self.chains:
-            self.step.heads = self._reach(rows, means)
-        return best_depth(np.ones((rows, 0)), means, self.step_costs(), remaining=remaining)
+        step.means = self.acceptance.means()
+        verify = [cost_model.verify_cost(cache_length, self.new_tokens(d)) for d in range(self.cap + 1)]
+        step.verify = None if None in verify else verify
+        step.drafting = list(accumulate((cost_model.draft_cost(h) for h in range(self.cap)), initial=0.0))
+        plain = self.step_costs()  # a forced step drafts exactly its depth, so it costs what these say
+        planned = 0
+        if plain is not None:
+            if self.chains:
+                step.heads = self._reach(rows)
+            planned = best_of(*sure_moments(rows, 0, step.means), self.step_costs(), rows, remaining)
+        step.forced = self._forced_depth(planned, plain)
+        return planned if step.forced is None else step.forced
 
     def chain_depth(self, planned: int) -> int:
         """How many heads a chain drafts this step: none for a plain step, else as deep as `chain_end` may keep."""
@@ -215,11 +252,11 @@ class SpeculationController:
             return 0
         return self.step.forced if self.step.forced is not None else max(planned, self.step.heads)
 
-    def _reach(self, rows: int, means: list[float]) -> int:
+    def _reach(self, rows: int) -> int:
         """The deepest a chain may pay to go: past head `j` only where it would pay were drafts `< j` all kept."""
+        step = self.step
         for j in range(1, self.cap):
-            prefix = np.ones((rows, j))
-            if best_depth(prefix, means[j:], self.step_costs(j), remaining=self.step.remaining) <= j:
+            if best_of(*sure_moments(rows, j, step.means[j:]), self.step_costs(j), rows, step.remaining) == 0:
                 return j
         return self.cap
 
@@ -234,11 +271,12 @@ class SpeculationController:
         `confidences` of drafts `0 .. j - 1` and whether its chain was still open (`limits[r] > j`).
         """
         depth = len(confidences[0]) if confidences else 0
+        prefix = self.acceptance.prefix(confidences) if depth > 1 else None
         for j in range(1, depth):
             open_rows = [limit > j for limit in limits]
-            tail = [self.acceptance.mean(h) for h in range(j, self.cap)]
-            prefix = self.acceptance.prefix([row[:j] for row in confidences])
-            if not any(open_rows) or best_depth(prefix, tail, self.step_costs(j), open_rows, self.step.remaining) <= j:
+            if not any(open_rows):
+                return j
+            if best_depth(prefix[:, :j], self.step.means[j:], self.step_costs(j), open_rows, self.step.remaining) <= j:
                 return j
         return depth
 
@@ -266,22 +304,23 @@ class SpeculationController:
         metrics.steps_by_depth, metrics.verify_seconds_by_depth = list(self.depth_counts), list(self.verify_seconds)
         metrics.draft_runs_by_head, metrics.draft_seconds_by_head = list(self.draft_runs), list(self.draft_seconds)
 
-    def _forced_depth(self, rows: int, means: list[float]) -> int | None:
+    def _forced_depth(self, planned: int, costs: list[float] | None) -> int | None:
         """
-        A depth to run whatever the estimates. First the shallowest depth never timed (twice: its first timing is
-        left out, see `CostModel.record_verify`), while it could pay: a depth deeper than every timed one is costed as
-        the deepest timed (costs never fall with depth), so timing stops at the first depth that would not pay even at
-        that cost, and a later call times it only once the acceptance it sees says it could. Then, within the
-        exploration share, the timed depth tried longest ago.
+        A depth to run whatever the estimates, where the controller would plan `planned` and the depths cost `costs`
+        drafting exactly as deep (None: nothing timed yet). First the shallowest depth never timed (twice: its first
+        timing is left out, see `CostModel.record_verify`), while it could pay: a depth deeper than every timed one is
+        costed as the deepest timed (costs never fall with depth), so timing stops at the first depth that would not
+        pay even at that cost, and a later call times it only once the acceptance it sees says it could. Then, within
+        the exploration share, the timed depth tried longest ago.
         """
         cost_model, cache_length = self.step.cost_model, self.step.cache_length
         stale = {d: cost_model.staleness(cache_length, self.new_tokens(d)) for d in range(self.cap + 1)}
         never = [d for d, age in stale.items() if age == math.inf]
-        costs = self.step_costs()
         # No timings to weigh yet (steps that drafted from prompt lookup time nothing): time the shallowest depth.
-        if never and (costs is None or never[0] <= best_depth(np.ones((rows, 0)), means, costs,
-                                                              remaining=self.step.remaining)):  # fmt: skip
+        if never and (costs is None or never[0] <= planned):
             target = never[0]
+        elif costs is None:
+            return None
         else:
             target = max((d for d in stale if d not in never), key=stale.get)
             if cost_model.exploring_seconds + costs[target] > EXPLORATION_SHARE * cost_model.total_seconds:

@@ -92,7 +92,7 @@ class SpeculationState:
             policy = f"{'all' if self.policy.depth is None else self.policy.depth} heads every step"
         lines = [f"Speculation state of {verifier} with {speculator} (depth policy: {policy})"]
         for kind, estimate in self.acceptance.items():
-            heads = ", ".join(f"{estimate.mean(h):.2f}" for h in range(len(estimate.drafted)))
+            heads = ", ".join(f"{mean:.2f}" for mean in estimate.means())
             weight = estimate.drafted[0].sum()
             lines.append(f"  acceptance, {kind.value}: per head {heads} (head 0 weighs {weight:.0f} recent drafts)")
         for (device, dtype, bucket), cost_model in self.cost_models.items():
