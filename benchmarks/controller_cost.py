@@ -28,7 +28,8 @@ def filled_cost_model() -> CostModel:
         for seconds in (1.0, STEP_SECONDS * (1 + 0.1 * (tokens - 1))):  # a first timing is left out: one-time costs
             costs.record_verify(CACHE, tokens, seconds)
     for head in range(HEADS):
-        costs.record_draft(head, 0.02 * STEP_SECONDS)
+        for seconds in (1.0, 0.02 * STEP_SECONDS):
+            costs.record_draft(head, seconds)
     return costs
 
 

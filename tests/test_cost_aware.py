@@ -43,6 +43,7 @@ def filled_cost_model(verify, draft=0.0, cache_length=100):
         costs.record_verify(cache_length, m, 100.0)  # each m's first timing pays one-time costs: left out
         costs.record_verify(cache_length, m, seconds)
     for head in range(len(verify) - 1):
+        costs.record_draft(head, 100.0)  # so are each head's
         costs.record_draft(head, draft)
     return costs
 
@@ -135,13 +136,17 @@ def test_cost_model_recovers_a_synthetic_cost_curve():
             # A slow spell now and then (a shared machine): the median ignores it.
             costs.record_verify(300, m, seconds * (5 if repeat % 4 == 0 else 1))
     for head, seconds in enumerate([0.004, 0.002]):
-        for _ in range(3):
-            costs.record_draft(head, seconds)
+        for repeat in range(4):
+            costs.record_draft(head, 0.5 if repeat == 0 else seconds)  # a head's first run pays one-time costs
     assert [costs.verify_cost(300, m) for m in (1, 2, 3, 5)] == pytest.approx(list(curve.values()))
     assert costs.verify_cost(300, 4) == pytest.approx(0.090)  # between the timed neighbours
     assert costs.verify_cost(300, 8) == pytest.approx(0.100)  # flat past the largest timed
     assert costs.verify_cost(5000, 2) == pytest.approx(0.070)  # from the nearest timed cache length
     assert (costs.draft_cost(0), costs.draft_cost(1), costs.draft_cost(3)) == pytest.approx((0.004, 0.002, 0.002))
+    costs.record_draft(3, 0.5)  # left out: head 3 still costs what its nearest timed neighbour does
+    assert costs.draft_cost(3) == pytest.approx(0.002)
+    costs.record_draft(3, 0.003)
+    assert costs.draft_cost(3) == pytest.approx(0.003)
     assert CostModel().verify_cost(300, 1) is None
     # A larger m timed cheaper than a smaller one (a quiet spell) costs at least as much as the smaller one.
     for m, seconds in ((1, 0.2), (3, 0.1)):
