@@ -34,7 +34,7 @@ def filled_cost_model() -> CostModel:
 
 
 def kept(rng: random.Random, rates: list[float], depth: int) -> int:
-    """How many of a row's `depth` drafts the verifier keeps, head `h` kept with chance `rates[h]` after those before."""
+    """How many of a row's `depth` drafts the verifier keeps: head `h` with chance `rates[h]` after those before."""
     return next((h for h in range(depth) if rng.random() >= rates[h]), depth)
 
 
