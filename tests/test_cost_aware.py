@@ -197,6 +197,21 @@ def test_a_depth_left_untimed_is_timed_once_acceptance_says_it_could_pay():
     assert run_controller(controller, 2, lambda depth: 1.0 + 0.8 * depth) == [2, 2]
 
 
+def test_a_depth_timed_only_on_trial_weights_is_tried_until_a_steady_timing_comes():
+    # Measured at batch 8 on CPU: a depth's kept timings came only from the forwards that try both kinds of weights
+    # on a new shape (205 ms against 112 ms for a plain step); they said it could not pay, so no step of 504 drafted.
+    costs, acceptance = CostModel(), AcceptanceEstimate(1)
+    acceptance.record([[0.95]] * 60, [1] * 60, [1] * 60)  # head 0 nearly always kept: 1.9 tokens a step
+    controller = SpeculationController(lambda rows: costs, acceptance, cap=1)
+    chosen = []
+    for _ in range(12):
+        depth = controller.start_step(cache_length=50, rows=1)
+        trial = depth == 1 and chosen.count(1) < 2  # depth 1's first two forwards: one-time costs, trial weights
+        controller.end_step(controller.step, depth, 2.0 if trial else 1.0 + 0.1 * depth, steady=not trial)
+        chosen.append(depth)
+    assert chosen == [0, 0] + [1] * 10  # before: [0, 0, 1, 1] then plain steps for good
+
+
 def test_a_plain_step_timed_in_a_slow_spell_is_soon_timed_again():
     # Measured on a shared 2-core CPU at batch 8: the plain step's timings came from a slow spell (86 ms), the drafting
     # depths' from the quiet rest of the run (60 ms for a plain step), and the controller went on drafting at a loss.

@@ -129,6 +129,10 @@ class CostModel:
             self.medians[key] = statistics.median(self.draft[min(self.draft, key=lambda h: abs(h - head))])
         return self.medians[key]
 
+    def was_tried(self, cache_length: int, new_tokens: int) -> bool:
+        """Whether any step verified (or was forced to verify) this `m` in this cache bucket."""
+        return (cache_bucket(cache_length), int(new_tokens)) in self.last_tried
+
     def staleness(self, cache_length: int, new_tokens: int) -> float:
         """
         How many verify timings ago a step last tried this `m` in this cache bucket: `inf` if never, or while no steady
