@@ -319,8 +319,8 @@ class SpeculationController:
         cost_model, cache_length = self.step.cost_model, self.step.cache_length
         stale = {d: cost_model.staleness(cache_length, self.new_tokens(d)) for d in range(self.cap + 1)}
         never = [d for d, age in stale.items() if age == math.inf]
-        # No timings to weigh yet (steps that drafted from prompt lookup time nothing): time the shallowest depth.
         retry = bool(never) and cost_model.was_tried(cache_length, self.new_tokens(never[0]))
+        # No timings to weigh yet (steps that drafted from prompt lookup time nothing): time the shallowest depth.
         if never and (costs is None or never[0] <= planned or retry):
             target = never[0]
         elif costs is None:
