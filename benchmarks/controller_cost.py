@@ -4,33 +4,27 @@
     python benchmarks/controller_cost.py --steps 5000 --batch-sizes 8
 
 A step of the package's loop runs the controller in Python on the host whatever the device: on the default pair on
-a CPU a plain step costs about 25 ms at batch 1, so 0.1 ms of planning is 0.4% of it, and on a GPU, where a small
-model's step takes a few ms, more. The cost model here is filled as a CPU fills it (verifying k + 1 tokens costs
-1 + 0.1 k plain steps, a head 2% of one), the acceptance is that of a fair speculator (0.7, 0.5, 0.35, 0.25 per head)
-with each row's confidences drawn at random, so the controller drafts at varying depths and cuts chains, as on a real
-pair. Prints microseconds per step (median of `--repeats`) and the depths it chose.
+a 2-core CPU a plain step costs 45-50 ms at batch 1 (measured 2026-12-06), so 0.3 ms of planning is under 1% of it,
+and on a GPU, where a small model's step takes a few ms, more. The cost model here is filled as a CPU fills it
+(`filled_cost_model` of the tests: verifying k + 1 tokens costs 1 + 0.1 k plain steps, a head 2% of one), the
+acceptance is that of a fair speculator (0.7, 0.5, 0.35, 0.25 per head) with each row's confidences drawn at random,
+so the controller drafts at varying depths and cuts chains, as on a real pair. Prints microseconds per step (median
+of `--repeats`) and the depths it chose.
 """
 
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from hf_mlp_speculator.drafting.controller import AcceptanceEstimate, SpeculationController
-from hf_mlp_speculator.drafting.cost_model import CostModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_cost_aware import filled_cost_model  # noqa: E402
+
+from hf_mlp_speculator.drafting.controller import AcceptanceEstimate, SpeculationController  # noqa: E402
 
 HEADS, CACHE, STEP_SECONDS = 4, 300, 0.025
-
-
-def filled_cost_model() -> CostModel:
-    costs = CostModel()
-    for tokens in range(1, HEADS + 2):
-        for seconds in (1.0, STEP_SECONDS * (1 + 0.1 * (tokens - 1))):  # a first timing is left out: one-time costs
-            costs.record_verify(CACHE, tokens, seconds)
-    for head in range(HEADS):
-        for seconds in (1.0, 0.02 * STEP_SECONDS):
-            costs.record_draft(head, seconds)
-    return costs
 
 
 def kept(rng: random.Random, rates: list[float], depth: int) -> int:
@@ -40,7 +34,9 @@ def kept(rng: random.Random, rates: list[float], depth: int) -> int:
 
 def run(rows: int, steps: int) -> tuple[float, list[int]]:
     """Seconds per step of the controller's own work, and how many steps chose each depth."""
-    acceptance, costs, rng = AcceptanceEstimate(HEADS), filled_cost_model(), random.Random(0)
+    verify = [STEP_SECONDS * (1 + 0.1 * k) for k in range(HEADS + 1)]
+    costs = filled_cost_model(verify, draft=0.02 * STEP_SECONDS, cache_length=CACHE)
+    acceptance, rng = AcceptanceEstimate(HEADS), random.Random(0)
     rates = [0.7, 0.5, 0.35, 0.25]
     confidences = [[rng.random() for _ in range(HEADS)] for _ in range(256)]
     acceptance.record(confidences, [HEADS] * 256, [kept(rng, rates, HEADS) for _ in range(256)])

@@ -142,8 +142,10 @@ class AcceptanceEstimate:
         return (self.accepted[head, b] + PRIOR_WEIGHT * self.prior[b]) / (self.drafted[head, b] + PRIOR_WEIGHT)
 
     def means(self) -> list[float]:
-        """The same per head before the draft is made: over the confidences seen so far (the prior's mean, 0.5, before
-        any)."""
+        """
+        Per head, the same before the draft is made: over the confidences seen so far (the prior's mean, 0.5, before
+        any).
+        """
         return ((self.accepted.sum(axis=1) + 0.5 * PRIOR_WEIGHT) / (self.drafted.sum(axis=1) + PRIOR_WEIGHT)).tolist()
 
     def prefix(self, confidences) -> np.ndarray:
