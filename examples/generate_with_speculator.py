@@ -137,8 +137,8 @@ print(f"With the speculator: {speculative_speed:.1f} tokens/s ({sum(map(len, spe
       f"{seconds['speculative']:.1f} s, {metrics.mean_tokens_per_step:.2f} tokens per step)")  # fmt: skip
 print(f"Speedup: {speculative_speed / plain_speed:.2f}x over plain generate() ({len(prompts)} prompts, greedy)")
 print(f"Greedy outputs identical: {'yes' if same == len(prompts) else 'NO'} ({same}/{len(prompts)} prompts)")
-# On CPU, speculative generate() runs each forward on packed or plain weights, whichever measured faster. To tell what
-# the drafts bring from what the faster weights bring, time plain decoding on them as well (`hf-mlp-speculator demo`
-# does both):
+# On CPU, speculative generate() runs each forward on the kind of weights (plain, transposed or packed) that measured
+# fastest. To tell what the drafts bring from what the faster weights bring, time plain decoding on them as well
+# (`hf-mlp-speculator demo` does both):
 #     with hf_mlp_speculator.fast_cpu_decoding(model):
 #         model.generate(...)

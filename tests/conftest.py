@@ -161,11 +161,11 @@ def every_head_drafts(request, monkeypatch):
     and the length limit apply: the `FixedDepth()` policy of every pair), so that what the decoding machinery does is
     known exactly; the controller would choose depths from wall-clock timings. Nor do they run forwards on packed
     weights (the check that those agree with the plain ones is forwards that tests counting forwards would see). Both
-    are tested in test_cost_aware.py and test_packed_linear.py.
+    are tested in test_cost_aware.py and test_weight_layouts.py.
     """
     if request.node.get_closest_marker("cost_aware") is None:
         monkeypatch.setattr(SpeculationState, "policy", FixedDepth())
-        monkeypatch.setattr(mixin, "adaptive_packing", contextlib.nullcontext)
+        monkeypatch.setattr(mixin, "adaptive_weights", contextlib.nullcontext)
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ from torch import nn
 from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
 from hf_mlp_speculator import speculation_state
-from hf_mlp_speculator.cpu.packed_linear import (
+from hf_mlp_speculator.cpu.weight_layouts import (
     PackedLinear,
-    PackingChoice,
-    adaptive_packing,
+    WeightChoice,
+    adaptive_weights,
     cpu_weights,
-    packed_weights,
+    fixed_layout,
 )
 from hf_mlp_speculator.drafting.controller import (
     AcceptanceEstimate,
@@ -251,7 +251,7 @@ def clock(monkeypatch):
         monkeypatch.setattr(cls, "forward", timed)
     monkeypatch.setattr(time, "perf_counter", lambda: state.now)
     # Under a clock that forwards alone move, packed and plain weights time the same: no packing (tested apart).
-    monkeypatch.setattr(generation, "adaptive_packing", contextlib.nullcontext)
+    monkeypatch.setattr(generation, "adaptive_weights", contextlib.nullcontext)
     return state
 
 
@@ -316,7 +316,7 @@ def test_packed_weights_leave_the_model_as_it_was_and_never_go_stale():
     verifier = make_verifier()
     tokens = torch.randint(0, 96, (2, 7))
     with torch.no_grad():
-        with packed_weights(verifier):
+        with fixed_layout(verifier, "packed"):
             assert all(type(m) is PackedLinear for m in verifier.modules() if isinstance(m, nn.Linear))
             first = verifier(tokens).logits
         assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
@@ -326,11 +326,11 @@ def test_packed_weights_leave_the_model_as_it_was_and_never_go_stale():
         verifier.load_state_dict(make_verifier(seed=5).state_dict())
         verifier.model.layers[0].mlp.up_proj.weight.mul_(2)
         expected = verifier(tokens).logits
-        with packed_weights(verifier):
+        with fixed_layout(verifier, "packed"):
             torch.testing.assert_close(verifier(tokens).logits, expected, rtol=1e-5, atol=1e-5)
     verifier.to(torch.bfloat16)  # a plain model again: any dtype change works
     assert next(verifier.parameters()).dtype == torch.bfloat16
-    with adaptive_packing(verifier):  # bf16: not a model for packing
+    with adaptive_weights(verifier):  # bf16: not a model for packing
         verifier(tokens)
         assert not any(isinstance(m, PackedLinear) for m in verifier.modules())
 
@@ -340,8 +340,8 @@ def test_speculative_generate_with_packing_is_identical_and_unpacks(monkeypatch)
     speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 2)
     expected = verifier.generate(prompt, max_new_tokens=20, do_sample=False)
 
-    monkeypatch.setattr(generation, "adaptive_packing", adaptive_packing)  # conftest turns it off
-    monkeypatch.setattr(PackingChoice, "choose", lambda self, shape: True)  # as where packing measured faster
+    monkeypatch.setattr(generation, "adaptive_weights", adaptive_weights)  # conftest turns it off
+    monkeypatch.setattr(WeightChoice, "choose", lambda self, shape: "packed")  # as where packing measured fastest
     seen = []
     forward = LlamaForCausalLM.forward
 
@@ -374,16 +374,16 @@ def test_measurements_belong_to_their_pair_and_die_with_it():
     state = speculation_state(verifier, speculator)
     for seconds in (9.0, 5.0):  # the first timing of a shape is left out
         state.cost_model_for(1, "cpu", torch.float32).record_verify(10, 2, seconds)
-    with adaptive_packing(verifier):
+    with adaptive_weights(verifier):
         verifier(torch.tensor([[1, 2]]))
     assert speculation_state(verifier, speculator) is state
     assert state.cost_model_for(1, "cpu", torch.float32).summary()["verify_seconds_by_new_tokens"] == {2: 5.0}
     assert not speculation_state(make_verifier(), speculator).cost_models  # another verifier
     assert not speculation_state(verifier, make_speculator()).cost_models  # another speculator
-    assert state.cpu_weights.choice.summary() and not cpu_weights(make_verifier()).choice.summary()
+    assert state.cpu_weights.summary() and not cpu_weights(make_verifier()).summary()
     assert speculation_state(verifier, make_speculator()).cpu_weights is state.cpu_weights  # the verifier's own
     copied = copy.deepcopy(verifier)  # a copy may go to another device: it starts with nothing learned
-    assert not speculation_state(copied, speculator).cost_models and not cpu_weights(copied).choice.summary()
+    assert not speculation_state(copied, speculator).cost_models and not cpu_weights(copied).summary()
     state_ref, weights_ref = weakref.ref(state), weakref.ref(state.cpu_weights)
     del verifier, state, copied
     gc.collect()

@@ -7,7 +7,7 @@ from conftest import ARCHITECTURES, VOCAB, expected_steps, make_oracle, make_pro
 from transformers import CompileConfig, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from hf_mlp_speculator.cpu import packed_linear
+from hf_mlp_speculator.cpu import weight_layouts
 from hf_mlp_speculator.generation import mixin
 
 
@@ -94,7 +94,7 @@ def test_compiled_verifier_with_a_static_cache(packing, monkeypatch):
     backend here: the graphs are traced as on a GPU, without the minutes of code generation. With the CPU weight
     choice on, as a CPU user who compiles has it, its hooks stay out of the graphs."""
     if packing:
-        monkeypatch.setattr(mixin, "adaptive_packing", packed_linear.adaptive_packing)
+        monkeypatch.setattr(mixin, "adaptive_weights", weight_layouts.adaptive_weights)
     verifier, prompt = make_verifier(), make_prompt()
     speculator = make_oracle(verifier, prompt, 20, wrong=lambda p, h: (p + h) % 3 == 0)
     config = CompileConfig(backend="eager", fullgraph=False, mode=None)
@@ -106,12 +106,12 @@ def test_compiled_verifier_with_a_static_cache(packing, monkeypatch):
     verifier.get_compiled_call = lambda config: compiled.append(config) or original(verifier, config)
     assert torch.equal(greedy(verifier, prompt, assistant_model=speculator, **kwargs), expected)
     assert compiled == [config] and speculator.speculation_metrics.num_accepted_tokens > 0
-    assert not packing or packed_linear.cpu_weights(verifier).agrees  # the choice was on: packing agrees here
+    assert not packing or weight_layouts.cpu_weights(verifier).agrees  # the choice was on: packing agrees here
 
 
 def test_a_model_compiled_in_place_with_the_cpu_weight_choice(monkeypatch):
     """`model.compile()`: every forward, prefill too, runs compiled; the CPU weight choice's hooks stay out of it."""
-    monkeypatch.setattr(mixin, "adaptive_packing", packed_linear.adaptive_packing)
+    monkeypatch.setattr(mixin, "adaptive_weights", weight_layouts.adaptive_weights)
     verifier, prompt = make_verifier(), make_prompt()
     speculator = make_oracle(verifier, prompt, 16, wrong=lambda p, h: (p + h) % 3 == 0)
     expected = greedy(verifier, prompt, max_new_tokens=16)

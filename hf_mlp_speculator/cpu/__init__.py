@@ -1,1 +1,1 @@
-"""Packed or plain weights on CPU, forward by forward, whichever measures faster."""
+"""Plain, transposed or packed weights on CPU, forward by forward, whichever measures fastest."""

@@ -294,7 +294,7 @@ class SpeculationController:
         """
         Records the verifier forward of `step` (what `start_step` left in `self.step`), which drafted `depth` heads
         (`new_tokens` per row, if unusual). On a GPU the timing arrives a step or so late. A forward that ran in a way
-        later ones will not (on CPU, on the weights that measured slower, see `packed_linear`) is not `steady`: its
+        later ones will not (on CPU, on the weights that measured slower, see `weight_layouts`) is not `steady`: its
         timing stands in for the step's cost only until steady ones come.
         """
         step.cost_model.record_verify(step.cache_length, new_tokens or self.new_tokens(depth), verify_seconds, steady)

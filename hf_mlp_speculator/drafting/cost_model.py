@@ -15,6 +15,8 @@ import math
 import statistics
 from collections import defaultdict, deque
 
+from ..cpu.weight_layouts import LAYOUTS, TRIALS
+
 # Recent timings kept per measured quantity: enough for a stable median, few enough to follow a change of load.
 WINDOW = 16
 # Timings of one `m` taken more than this many verify timings before its latest one are from another spell of the
@@ -23,8 +25,11 @@ WINDOW = 16
 HORIZON = 2 * WINDOW
 # The fewest timings a cost is read from, however old (a median of three ignores one outlier).
 FEWEST = 3
-# Steps that may be forced to verify an `m` until a steady timing of it comes back.
-UNTIMED_TRIES = 4
+# Steps that may be forced to verify an `m` until a steady timing of it comes back: on CPU a new forward shape first
+# runs a trial of every kind of weights, and only the forwards after those are steady (see `weight_layouts`). With
+# fewer (4 for three kinds), depth 1 at batch 8 was never timed steadily, and no later step drafted at a depth that
+# verified in 1.09 plain steps.
+UNTIMED_TRIES = len(LAYOUTS) * (TRIALS + 1) + 1
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -63,7 +68,7 @@ class CostModel:
         A verify timing. The first of each (cache bucket, m) is not kept: it pays one-time costs (kernels chosen for a
         new shape, on any device), which would make that `m` look dearer than it is for long. A forward that is not
         `steady` ran in a way later ones will not (on CPU, on the kind of weights that measured slower, while
-        `packed_linear` tries both): its timing stands in only until steady ones come.
+        `weight_layouts` tries both): its timing stands in only until steady ones come.
         """
         key = (cache_bucket(cache_length), int(new_tokens))
         if key in self.first_seen:
@@ -137,7 +142,7 @@ class CostModel:
         """
         How many verify timings ago a step last tried this `m` in this cache bucket: `inf` if never, or while no steady
         timing came back from fewer than `UNTIMED_TRIES` tries (its first timing is left out, and on CPU the first
-        forwards of a shape may run on the slower kind of weights while `packed_linear` tries both).
+        forwards of a shape may run on a slower kind of weights while `weight_layouts` tries each).
         """
         key = (cache_bucket(cache_length), int(new_tokens))
         if key not in self.last_tried or (not self.verify.get(key) and self.tries.get(key, 0) < UNTIMED_TRIES):

@@ -20,7 +20,7 @@ the host; it reads the device only to cut a chain by its confidences (one read, 
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from ..cpu.packed_linear import steady_forward
+from ..cpu.weight_layouts import steady_forward
 from ..utils.devices import forward_device
 from ..utils.host_transfer import to_host
 from ..utils.rank_agreement import RankAgreement
@@ -50,7 +50,7 @@ class DraftStep:
     """
     The host's record of one step: the controller's `plan` and planned depth, each row's `room` for drafts before the
     maximum length and the most any row drafts, which rows draft from prompt lookup (and what lookup proposed), and
-    the timing of the verifier's forward (`steady`: it ran as later ones will, see `packed_linear.steady_forward`).
+    the timing of the verifier's forward (`steady`: it ran as later ones will, see `weight_layouts.steady_forward`).
     """
 
     plan: StepPlan

@@ -2,9 +2,9 @@
 
 A call measures as it decodes: how often each head's drafts are accepted (per kind of drafts: greedy chains, sampled
 chains, trees), what a verifier forward and a draft head cost (per device, dtype and batch bucket of the verifier, with
-the share of decoding time spent exploring), and, on CPU, whether each forward shape runs faster on packed or plain
-weights (with the packed copies). A later call of the same pair starts from what the earlier ones measured instead of
-measuring again: its first steps already draft as deep as pays.
+the share of decoding time spent exploring), and, on CPU, which kind of weights each forward shape runs fastest on
+(plain, transposed or packed, with the copies). A later call of the same pair starts from what the earlier ones
+measured instead of measuring again: its first steps already draft as deep as pays.
 
 All of it lives in the pair's `SpeculationState`, which the verifier holds, weakly keyed by the speculator: it goes
 away with either model, and no module keeps any of it. The CPU weight choice belongs to the verifier alone (plain
@@ -24,7 +24,7 @@ per-call counts of depths and timings, its sampling seed and prompt lookup's sco
 import weakref
 from dataclasses import dataclass
 
-from ..cpu.packed_linear import CpuWeights, cpu_weights
+from ..cpu.weight_layouts import CpuWeights, cpu_weights
 from .controller import AcceptanceEstimate
 from .cost_model import CostModel, batch_bucket
 from .drafts import DraftKind
@@ -102,9 +102,9 @@ class SpeculationState:
             explored = f"{cost_model.exploring_seconds:.2f} of {cost_model.total_seconds:.2f} s"
             lines.append(f"  cost on {device} {dtype}, batch <= {bucket}: verify ms by new tokens {{{verify}}}; "
                          f"head ms [{heads}]; explored {explored}")
-        for (batch, tokens), (plain, packed) in self.cpu_weights.choice.summary().items():
-            lines.append(f"  CPU weights, batch <= {batch} x {tokens} tokens: fastest plain "
-                         f"{_ms(plain)}, packed {_ms(packed)}")
+        for (batch, tokens), fastest in self.cpu_weights.summary().items():
+            kinds = ", ".join(f"{kind} {_ms(seconds)}" for kind, seconds in fastest.items())
+            lines.append(f"  CPU weights, batch <= {batch} x {tokens} tokens: fastest {kinds}")
         if len(lines) == 1:
             lines.append("  nothing measured yet")
         return "\n".join(lines)

@@ -25,7 +25,7 @@ from types import MethodType
 from transformers import GenerationMixin, StopStringCriteria
 from transformers.utils import logging
 
-from ..cpu.packed_linear import adaptive_packing
+from ..cpu.weight_layouts import adaptive_weights
 from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 from .cache_policy import cache_for_assisted_decoding
 from .candidate_generator import MLPSpeculatorCandidateGenerator
@@ -137,8 +137,8 @@ class MLPSpeculatorGenerationMixin:
                 generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None),
                 stop_string_criterion=stop_strings, lookup_tokens=merged.prompt_lookup_num_tokens, **tree,
             )  # fmt: skip
-        # On CPU, each forward on packed or plain weights, whichever measured faster (see `packed_linear`).
-        with adaptive_packing(self):
+        # On CPU, each forward on the kind of weights that measured fastest (see `weight_layouts`).
+        with adaptive_weights(self):
             output = STOCK["generate"](self, *args, **kwargs)
         metrics = speculator.speculation_metrics
         if metrics is not None:

@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from ..cpu.packed_linear import fast_cpu_decoding, packed_weights
+from ..cpu.weight_layouts import OPS, fast_cpu_decoding, fixed_layout, packed_matches_plain
 from ..generation.transformers_hooks import cache_kwargs, output_cache
 from ..utils.batching import left_padded
 from ..utils.data_sources import iter_documents
@@ -101,7 +101,7 @@ class Mode:
     generate_kwargs: dict
     baseline: str  # the mode its speedup is measured against
     heads: int | None = None  # draft heads of a speculator mode
-    fast_cpu: bool = False  # plain decoding on the faster of packed and plain weights (`fast_cpu_decoding`)
+    fast_cpu: bool = False  # plain decoding on the fastest kind of weights (`fast_cpu_decoding`)
 
 
 def benchmark_modes(speculator, prompt_lookup_num_tokens: int) -> list[Mode]:
@@ -430,11 +430,15 @@ def run(args) -> int:
         print("Plain weights: " + verify_cost_report(cost))
         results = {"environment": environment(args, model, speculator), "verify_cost": cost}
         if model.device.type == "cpu" and model.dtype == torch.float32:
-            # What speculative generate() verifies with where packed weights measure faster (`adaptive_packing`).
-            with packed_weights(model):
-                results["verify_cost_packed"] = measure_verify_cost(model, speculator, args.context_length, max_k,
-                                                                    args.repeats)  # fmt: skip
-            print("Packed oneDNN weights: " + verify_cost_report(results["verify_cost_packed"]))
+            # The other kinds of weights speculative generate() verifies with where they measure faster
+            # (`adaptive_weights`): transposed, and packed where the ops exist and agree with the plain weights.
+            for kind, name in [("transposed", "Transposed weights"), ("packed", "Packed oneDNN weights")]:
+                if kind == "packed" and not (OPS and packed_matches_plain(model)):
+                    continue
+                with fixed_layout(model, kind):
+                    results[f"verify_cost_{kind}"] = measure_verify_cost(model, speculator, args.context_length,
+                                                                         max_k, args.repeats)  # fmt: skip
+                print(f"{name}: " + verify_cost_report(results[f"verify_cost_{kind}"]))
         (output_dir / "verify_cost.json").write_text(json.dumps(results, indent=2))
         return 0
 

@@ -1,6 +1,6 @@
-"""`hf-mlp-speculator demo`: the same prompts with plain `generate()`, plain `generate()` on the faster of packed and
-plain weights (`fast_cpu_decoding`, which speculative `generate()` uses by itself on CPU), then with the speculator,
-and how they compare: the speculator's gain over the second is what the drafts themselves bring.
+"""`hf-mlp-speculator demo`: the same prompts with plain `generate()`, plain `generate()` on the fastest of plain,
+transposed and packed weights (`fast_cpu_decoding`, which speculative `generate()` uses by itself on CPU), then with
+the speculator, and how they compare: the speculator's gain over the second is what the drafts themselves bring.
 
 With no model named it runs the offline default pair (see `hf_mlp_speculator.tools.default_models`), built on first use.
 """
@@ -10,7 +10,7 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from ..cpu.packed_linear import fast_cpu_decoding
+from ..cpu.weight_layouts import fast_cpu_decoding
 from ..utils.package_data import evaluation_prompts
 from .runs import (
     WARMUP_TOKENS,
@@ -61,7 +61,7 @@ def report(plain: GenerationRun, fast: GenerationRun, speculative: GenerationRun
         str(speculative.speculation_metrics),
         machine_description(),
         f"Without speculation: {speed(plain)})",
-        f"Faster weights:      {speed(fast)}, plain generate() on packed or plain weights, whichever measured faster)",
+        f"Faster weights:      {speed(fast)}, plain generate() on the kind of weights that measured fastest)",
         f"With MLPSpeculator:  {speed(speculative)}, {speculative.tokens_per_step:.2f} tokens per verifier forward)",
         f"Speedup: {speculative.tokens_per_second / plain.tokens_per_second:.2f}x over plain generate(), "
         f"{speculative.tokens_per_second / fast.tokens_per_second:.2f}x over it on the faster weights (the drafts' "

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
-from ..cpu.packed_linear import packed_matches_plain, packed_weights
+from ..cpu.weight_layouts import fixed_layout, packed_matches_plain
 from ..models.configuration_mlp_speculator import MLPSpeculatorConfig
 from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 from ..utils.progress import Progress
@@ -407,7 +407,7 @@ def compute_targets(args: SpeculatorTrainingArguments, base, tokenizer, accelera
     # On CPU, the base computes its targets on packed weights where those agree with the plain ones, whatever they
     # measure: a forward's last bits differ between the two, and a run resumed from a kill must compute the targets
     # the unbroken run computes (a sharded base is left as it is).
-    with packed_weights(base, not args.fsdp_base and packed_matches_plain(base)):
+    with fixed_layout(base, "packed" if not args.fsdp_base and packed_matches_plain(base) else "plain"):
         return build_training_data(args, base, tokenizer, accelerator, budget_seconds)
 
 
