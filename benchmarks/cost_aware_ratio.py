@@ -1,9 +1,9 @@
 """Plain greedy `generate()` against `generate(assistant_model=speculator)` with no other argument, as ratios.
 
 For each batch size, the evaluation prompts (never trained on) run in batches of that size, plain `generate()`, plain
-`generate()` on the faster of packed and plain weights (`fast_cpu_decoding`) and speculative `generate()` taking turns
-batch by batch (each kind first in turn), after a warm-up at each size that pays the one-time costs of the process
-(packing the weights, the first timings of each depth and kind of weights); with `--first-call` only plain decoding is
+`generate()` on the fastest kind of weights (`fast_cpu_decoding`) and speculative `generate()` taking turns batch by
+batch (each kind first in turn), after a warm-up at each size that pays the one-time costs of the process (copying
+the weights, the first timings of each depth and kind of weights); with `--first-call` only plain decoding is
 warmed up, and the speculative calls are timed from the process's first. Prints both speedups (the plain calls' seconds
 over the speculative calls', and the median of the same ratio call by call): against plain `generate()`, and against
 it on the faster weights, which is what the drafts bring; whether every output was identical, the depths the

@@ -21,8 +21,8 @@ and the speculator is random: it accepts nothing, so every step crops its reject
 medians over `--repeats` runs in this process; the ratios are what to read, not the milliseconds.
 
 `--real-model` measures the same k = 0 step on the offline default pair (SmolLM2-135M-Instruct, two threads), on
-left-padded batches of the held-out chat prompts, against plain `generate()` on the faster of packed and plain
-weights (`fast_cpu_decoding`), which is what a speculative call that decides not to draft must cost. End-of-sequence
+left-padded batches of the held-out chat prompts, against plain `generate()` on the fastest kind of weights
+(`fast_cpu_decoding`), which is what a speculative call that decides not to draft must cost. End-of-sequence
 is off, so that every row decodes every token in both calls.
 """
 

@@ -250,7 +250,7 @@ def clock(monkeypatch):
 
         monkeypatch.setattr(cls, "forward", timed)
     monkeypatch.setattr(time, "perf_counter", lambda: state.now)
-    # Under a clock that forwards alone move, packed and plain weights time the same: no packing (tested apart).
+    # Under a clock that forwards alone move, every kind of weights times the same: no choice (tested apart).
     monkeypatch.setattr(generation, "adaptive_weights", contextlib.nullcontext)
     return state
 

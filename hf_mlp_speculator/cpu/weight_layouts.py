@@ -326,7 +326,8 @@ def adaptive_weights(model: nn.Module):
     if weights.agrees is None:
         weights.agrees = packed_matches_plain(model)
     if weights.choice is None:
-        weights.choice = WeightChoice(kinds_that_fit(linears, ["plain", "transposed", *(["packed"] if weights.agrees else [])]))
+        kinds = ["plain", "transposed", "packed"] if weights.agrees else ["plain", "transposed"]
+        weights.choice = WeightChoice(kinds_that_fit(linears, kinds))
     choice = weights.choice
     state = {}
 
