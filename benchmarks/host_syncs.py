@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.cost_aware:
         SpeculationState.policy = FixedDepth()  # every pair drafts all its heads
-    generation.adaptive_weights = contextlib.nullcontext  # no timing forwards on packed weights in the counts
+    generation.adaptive_weights = contextlib.nullcontext  # no timing forwards on other weights in the counts
     print("| case | ours per forward | transformers' per forward | forwards |\n|---|---:|---:|---:|")
     for name, (rows, kwargs, _) in CASES.items():
         torch.manual_seed(0)

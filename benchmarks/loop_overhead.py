@@ -238,7 +238,7 @@ def main(argv=None) -> None:
         batch_sizes = "1,8,32" if args.batch_sizes == parser.get_default("batch_sizes") else args.batch_sizes
         return real_model([int(b) for b in batch_sizes.split(",")], args.repeats)
     torch.set_num_threads(1)
-    generation.adaptive_weights = contextlib.nullcontext  # the weights as they are: packing is measured elsewhere
+    generation.adaptive_weights = contextlib.nullcontext  # the weights as they are: their choice is measured elsewhere
     verifier, speculator = proxy_pair(args.layers)
     verifier.generation_config.assistant_confidence_threshold = 0.0
     # k = 0 steps where the call's schedule is cost-aware: the controller's host work runs, and decides nothing.

@@ -159,8 +159,8 @@ def every_head_drafts(request, monkeypatch):
     """
     Outside tests marked `cost_aware`, every step drafts all the heads the call allows (then the confidence threshold
     and the length limit apply: the `FixedDepth()` policy of every pair), so that what the decoding machinery does is
-    known exactly; the controller would choose depths from wall-clock timings. Nor do they run forwards on packed
-    weights (the check that those agree with the plain ones is forwards that tests counting forwards would see). Both
+    known exactly; the controller would choose depths from wall-clock timings. Nor do they choose the CPU weights (the
+    check that packed ones agree with the plain ones is forwards that tests counting forwards would see). Both
     are tested in test_cost_aware.py and test_weight_layouts.py.
     """
     if request.node.get_closest_marker("cost_aware") is None:

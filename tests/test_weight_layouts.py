@@ -287,3 +287,33 @@ def test_kinds_whose_copies_would_not_fit_in_memory_are_left_out(monkeypatch, ca
     else:
         assert not lines
     assert plain_again(verifier)
+
+
+def test_a_single_kind_never_explores_and_the_probe_waits_for_memory(monkeypatch):
+    """With room for no copy, only the plain weights: their choice is never asked to explore another kind (which would
+    find none), no hook runs, and the packed weights are not even probed (the probe would make their copies)."""
+    choice = WeightChoice(("plain",))
+    assert {choice.choose((1, 1)) for _ in range(3 * EXPLORE_EVERY)} == {"plain"}
+    monkeypatch.setattr(generation, "adaptive_weights", adaptive_weights)  # conftest turns it off
+    monkeypatch.setattr(weight_layouts, "available_memory", lambda: 0)
+    monkeypatch.setattr(weight_layouts, "packed_matches_plain", lambda model: pytest.fail("probed"))
+    verifier, prompt, speculator = make_verifier(), make_prompt(), make_speculator()
+    expected = verifier.generate(prompt, max_new_tokens=2 * EXPLORE_EVERY, do_sample=False)
+    output = verifier.generate(prompt, max_new_tokens=2 * EXPLORE_EVERY, do_sample=False, assistant_model=speculator)
+    assert torch.equal(output, expected)
+    weights = weight_layouts.cpu_weights(verifier)
+    assert weights.choice.kinds == ("plain",) and not weights.copies and weights.summary() == {}
+    assert plain_again(verifier)
+
+
+def test_packed_copies_of_a_model_they_disagree_with_are_freed(monkeypatch):
+    def disagrees(model):  # as the probe does, it makes the packed copies first
+        weight_layouts.cpu_weights(model).copy(model.lm_head.weight, "packed")
+        return False
+
+    monkeypatch.setattr(weight_layouts, "packed_matches_plain", disagrees)
+    verifier = make_verifier()
+    with adaptive_weights(verifier):
+        verifier(make_prompt())
+    copies = weight_layouts.cpu_weights(verifier).copies
+    assert copies and {kind for kind, _ in copies} == {"transposed"}

@@ -57,21 +57,24 @@ OPS = _find_ops()
 # fp32 kernels that sum in another order differ by 3e-6 to 2e-5 of it (measured on SmolLM2-135M).
 TOLERANCE = 1e-4
 
-# Forwards of each kind a shape runs before the two are compared, and how many recent comparisons decide.
+# Forwards of each kind a shape runs before the kinds are compared, and how many recent comparisons decide.
 TRIALS, WINDOW = 3, 16
-# One forward in this many, per shape, runs the kind that measured slower, so that a change of the machine shows.
+# One forward in this many, per shape, runs a kind other than the fastest (each in turn), so that a change of the
+# machine shows.
 EXPLORE_EVERY = 50
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that multiplies with a oneDNN-packed copy of its weight (inside `adaptive_weights`)."""
+    """An `nn.Linear` that multiplies with a oneDNN-packed copy of its weight (inside `adaptive_weights` and
+    `fixed_layout`)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return OPS._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
 
 
 class TransposedLinear(nn.Linear):
-    """An `nn.Linear` that multiplies with a contiguous copy of its weight's transpose (inside `adaptive_weights`)."""
+    """An `nn.Linear` that multiplies with a contiguous copy of its weight's transpose (inside `adaptive_weights` and
+    `fixed_layout`)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # The transpose of the copy is a view with the weight's values: `F.linear` multiplies by the copy as it lies.
@@ -85,10 +88,10 @@ LAYOUTS = {"plain": (nn.Linear, None), "transposed": (TransposedLinear, "transpo
 
 def _eligible(model: nn.Module) -> bool:
     """
-    Whether `model` is one that the other layouts are meant for (the packed ops aside): fp32 weights on the CPU, whole.
-    A model that
-    accelerate dispatched (`hf_device_map`: its hooks run the layers' own forwards, some weights offloaded) or that
-    tensor parallelism split (each rank would choose its weights by its own timings) is left as it is.
+    Whether `model` is one that the other kinds of weights are meant for (the packed ops aside): fp32 weights on the
+    CPU, whole. A model that accelerate dispatched (`hf_device_map`: its hooks run the layers' own forwards, some
+    weights offloaded) or that tensor parallelism split (each rank would choose its weights by its own timings) is left
+    as it is.
     """
     param = next(model.parameters(), None)
     return (
@@ -106,12 +109,12 @@ def fixed_layout(model: nn.Module, kind: str):
     """
     Inside, every `nn.Linear` of `model` multiplies with its `kind` of weights (see `LAYOUTS`), whatever that measures:
     where `kind` is "plain", or not available (not an fp32 CPU model; "packed" on a torch without the ops), nothing
-    changes.
+    changes; so too inside `adaptive_weights` of the same model, which keeps choosing.
     """
     layout, attribute = LAYOUTS[kind]
-    available = attribute is not None and _eligible(model) and (kind != "packed" or OPS is not None)
-    linears = [m for m in model.modules() if type(m) is nn.Linear] if available else []
     weights = cpu_weights(model)
+    available = attribute is not None and _eligible(model) and (kind != "packed" or OPS is not None)
+    linears = [m for m in model.modules() if type(m) is nn.Linear] if available and not weights.active else []
     try:
         for module in linears:
             setattr(module, attribute, weights.copy(module.weight, kind))
@@ -199,14 +202,22 @@ class WeightChoice:
         times = self.times.setdefault(shape, dict.fromkeys(self.kinds))
         count = self.forwards[shape] = self.forwards.get(shape, 0) + 1
         short = [kind for kind in self.kinds if times[kind] is None or len(times[kind]) < TRIALS]
-        self.steady = not short and count % EXPLORE_EVERY != 0
+        exploring = count % EXPLORE_EVERY == 0 and len(self.kinds) > 1
+        self.steady = not short and not exploring
         if short:  # the kinds still short of their trials, by turns
             return short[count % len(short)]
         fastest = self.fastest(shape)
-        if count % EXPLORE_EVERY:
+        if not exploring:
             return fastest
         others = [kind for kind in self.kinds if kind != fastest]
         return others[count // EXPLORE_EVERY % len(others)]
+
+    def chosen(self, shape) -> str | None:
+        """The kind that `shape`'s forwards run now, or None while its kinds are still on trial."""
+        times = self.times.get(shape, {})
+        if any(times.get(kind) is None or len(times[kind]) < TRIALS for kind in self.kinds):
+            return None
+        return self.fastest(shape)
 
     def record(self, shape, kind: str, seconds: float) -> None:
         times = self.times.setdefault(shape, dict.fromkeys(self.kinds))
@@ -221,7 +232,7 @@ class WeightChoice:
                 [previous, (kind, seconds)], key=lambda entry: self.kinds.index(entry[0])
             )
             pair = self.ratios.setdefault(shape, {}).setdefault((first, second), deque(maxlen=WINDOW))
-            pair.append(first_seconds / max(second_seconds, 1e-9))
+            pair.append(max(first_seconds, 1e-9) / max(second_seconds, 1e-9))
         self.previous[shape] = (kind, seconds)
 
     def summary(self) -> dict:
@@ -254,6 +265,10 @@ class CpuWeights:
         """Forgets the timings, the verdict and the copies: the next forwards measure again."""
         self.agrees, self.choice, self.copies = None, None, {}
 
+    def drop(self, kind: str) -> None:
+        """Frees the copies of `kind`."""
+        self.copies = {key: entry for key, entry in self.copies.items() if key[0] != kind}
+
     def summary(self) -> dict:
         """`WeightChoice.summary()`, or nothing before the first forward chose."""
         return self.choice.summary() if self.choice else {}
@@ -280,14 +295,23 @@ def cpu_weights(model: nn.Module) -> CpuWeights:
 
 
 def available_memory() -> int | None:
-    """Bytes of memory the system can still give (Linux's MemAvailable), or None where it does not say."""
+    """
+    Bytes of memory this process can still get: the smaller of Linux's MemAvailable and the room left under its
+    cgroup's limit (a container's, which MemAvailable does not show), or None where neither says.
+    """
+    room = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        room += [int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(room) if room else None
 
 
 def kinds_that_fit(linears: list[nn.Linear], kinds: list[str]) -> tuple[str, ...]:
@@ -323,12 +347,18 @@ def adaptive_weights(model: nn.Module):
     if weights.active or not (linears and _eligible(model)):
         yield model
         return
-    if weights.agrees is None:
-        weights.agrees = packed_matches_plain(model)
     if weights.choice is None:
-        kinds = ["plain", "transposed", "packed"] if weights.agrees else ["plain", "transposed"]
-        weights.choice = WeightChoice(kinds_that_fit(linears, kinds))
+        # Memory first: the probe of the packed weights makes their copies.
+        kinds = kinds_that_fit(linears, ["plain", "transposed", "packed"])
+        if "packed" in kinds and weights.agrees is None:
+            weights.agrees = packed_matches_plain(model)
+        if not weights.agrees:
+            weights.drop("packed")
+        weights.choice = WeightChoice(tuple(kind for kind in kinds if kind != "packed" or weights.agrees))
     choice = weights.choice
+    if len(choice.kinds) == 1:  # nothing to choose
+        yield model
+        return
     state = {}
 
     def set_kind(kind: str) -> None:
@@ -344,15 +374,19 @@ def adaptive_weights(model: nn.Module):
             return
         inputs = kwargs.get("input_ids", args[0] if args else None)
         inputs = inputs if inputs is not None else kwargs.get("inputs_embeds")
-        state["shape"] = shape = WeightChoice.shape(inputs)
-        state["kind"] = kind = choice.choose(shape)
+        shape = WeightChoice.shape(inputs)
+        kind = choice.choose(shape)
         set_kind(kind)
-        state["start"] = time.perf_counter()
+        state["pending"] = (shape, kind, time.perf_counter())
 
     def after(module, args, kwargs, output):
         if torch.compiler.is_compiling():
             return
-        choice.record(state["shape"], state["kind"], time.perf_counter() - state["start"])
+        pending = state.pop("pending", None)
+        if pending is None:  # a forward whose `before` ran compiled: nothing to time
+            return
+        shape, kind, start = pending
+        choice.record(shape, kind, time.perf_counter() - start)
 
     hooks = []
     weights.active = True

@@ -294,8 +294,8 @@ class SpeculationController:
         """
         Records the verifier forward of `step` (what `start_step` left in `self.step`), which drafted `depth` heads
         (`new_tokens` per row, if unusual). On a GPU the timing arrives a step or so late. A forward that ran in a way
-        later ones will not (on CPU, on the weights that measured slower, see `weight_layouts`) is not `steady`: its
-        timing stands in for the step's cost only until steady ones come.
+        later ones will not (on CPU, on a kind of weights that measured slower, see `weight_layouts`) is not `steady`:
+        its timing stands in for the step's cost only until steady ones come.
         """
         step.cost_model.record_verify(step.cache_length, new_tokens or self.new_tokens(depth), verify_seconds, steady)
         self.depth_counts[depth] += 1
@@ -314,7 +314,7 @@ class SpeculationController:
         costed as the deepest timed (costs never fall with depth), so timing stops at the first depth that would not
         pay even at that cost, and a later call times it only once the acceptance it sees says it could. A depth tried
         but not yet timed steadily (`CostModel.staleness`) is tried again whatever it seems to cost: its timings came
-        from forwards that paid one-time costs or ran on the slower weights (measured at batch 8 on CPU: 205 ms
+        from forwards that paid one-time costs or ran on a slower kind of weights (measured at batch 8 on CPU: 205 ms
         against 112 ms for a plain step, after which no step of 504 drafted). Then, within the exploration share, the
         depth other than `planned` tried longest ago.
         """

@@ -27,7 +27,7 @@ HORIZON = 2 * WINDOW
 FEWEST = 3
 # Steps that may be forced to verify an `m` until a steady timing of it comes back: on CPU a new forward shape first
 # runs a trial of every kind of weights, and only the forwards after those are steady (see `weight_layouts`). With
-# fewer (4 for three kinds), depth 1 at batch 8 was never timed steadily, and no later step drafted at a depth that
+# the earlier 4, depth 1 at batch 8 was never timed steadily, and no later step drafted at a depth that
 # verified in 1.09 plain steps.
 UNTIMED_TRIES = len(LAYOUTS) * (TRIALS + 1) + 1
 
@@ -68,7 +68,7 @@ class CostModel:
         A verify timing. The first of each (cache bucket, m) is not kept: it pays one-time costs (kernels chosen for a
         new shape, on any device), which would make that `m` look dearer than it is for long. A forward that is not
         `steady` ran in a way later ones will not (on CPU, on the kind of weights that measured slower, while
-        `weight_layouts` tries both): its timing stands in only until steady ones come.
+        `weight_layouts` tries each): its timing stands in only until steady ones come.
         """
         key = (cache_bucket(cache_length), int(new_tokens))
         if key in self.first_seen:

@@ -102,9 +102,11 @@ class SpeculationState:
             explored = f"{cost_model.exploring_seconds:.2f} of {cost_model.total_seconds:.2f} s"
             lines.append(f"  cost on {device} {dtype}, batch <= {bucket}: verify ms by new tokens {{{verify}}}; "
                          f"head ms [{heads}]; explored {explored}")
-        for (batch, tokens), fastest in self.cpu_weights.summary().items():
+        for shape, fastest in self.cpu_weights.summary().items():
+            chosen = self.cpu_weights.choice.chosen(shape) or "still trying each"
             kinds = ", ".join(f"{kind} {_ms(seconds)}" for kind, seconds in fastest.items())
-            lines.append(f"  CPU weights, batch <= {batch} x {tokens} tokens: fastest {kinds}")
+            lines.append(f"  CPU weights, batch <= {shape[0]} x {shape[1]} tokens: runs {chosen}; best recent forward "
+                         f"{kinds}")
         if len(lines) == 1:
             lines.append("  nothing measured yet")
         return "\n".join(lines)

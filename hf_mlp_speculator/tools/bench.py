@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch import nn
 from transformers.utils import logging
 
-from ..cpu.weight_layouts import OPS, fast_cpu_decoding, fixed_layout, packed_matches_plain
+from ..cpu.weight_layouts import fast_cpu_decoding, fixed_layout, kinds_that_fit, packed_matches_plain
 from ..generation.transformers_hooks import cache_kwargs, output_cache
 from ..utils.batching import left_padded
 from ..utils.data_sources import iter_documents
@@ -42,6 +43,9 @@ from .runs import (
 )
 
 logger = logging.get_logger(__name__)
+
+# The kinds of CPU weights besides the plain ones that `--verify-cost` measures, with how it names them.
+KINDS = {"transposed": "Transposed weights", "packed": "Packed oneDNN weights"}
 
 
 def add_arguments(parser) -> None:
@@ -431,9 +435,11 @@ def run(args) -> int:
         results = {"environment": environment(args, model, speculator), "verify_cost": cost}
         if model.device.type == "cpu" and model.dtype == torch.float32:
             # The other kinds of weights speculative generate() verifies with where they measure faster
-            # (`adaptive_weights`): transposed, and packed where the ops exist and agree with the plain weights.
-            for kind, name in [("transposed", "Transposed weights"), ("packed", "Packed oneDNN weights")]:
-                if kind == "packed" and not (OPS and packed_matches_plain(model)):
+            # (`adaptive_weights`): transposed, and packed where the ops exist and agree with the plain weights; each
+            # where its copy fits in memory.
+            fitting = kinds_that_fit([m for m in model.modules() if type(m) is nn.Linear], ["plain", *KINDS])
+            for kind, name in KINDS.items():
+                if kind not in fitting or kind == "packed" and not packed_matches_plain(model):
                     continue
                 with fixed_layout(model, kind):
                     results[f"verify_cost_{kind}"] = measure_verify_cost(model, speculator, args.context_length,
