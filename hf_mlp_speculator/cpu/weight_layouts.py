@@ -104,6 +104,14 @@ def _eligible(model: nn.Module) -> bool:
     )
 
 
+def _restore(linears: list[nn.Linear]) -> None:
+    """Makes every one of `linears` a plain `nn.Linear` again, holding no copy."""
+    for module in linears:
+        module.__class__ = nn.Linear
+        for _, attribute in LAYOUTS.values():
+            module.__dict__.pop(attribute, None)
+
+
 @contextlib.contextmanager
 def fixed_layout(model: nn.Module, kind: str):
     """
@@ -121,10 +129,7 @@ def fixed_layout(model: nn.Module, kind: str):
             module.__class__ = layout
         yield model
     finally:
-        for module in linears:
-            if type(module) is layout:
-                module.__class__ = nn.Linear
-            module.__dict__.pop(attribute, None)
+        _restore(linears)
 
 
 @torch.no_grad()
@@ -198,10 +203,14 @@ class WeightChoice:
             score[other] -= math.log(statistics.median(ratios))
         return min(self.kinds, key=score.__getitem__)
 
+    def on_trial(self, shape) -> list[str]:
+        """The kinds still short of their `TRIALS` counted forwards of `shape`."""
+        times = self.times.get(shape, {})
+        return [kind for kind in self.kinds if times.get(kind) is None or len(times[kind]) < TRIALS]
+
     def choose(self, shape) -> str:
-        times = self.times.setdefault(shape, dict.fromkeys(self.kinds))
         count = self.forwards[shape] = self.forwards.get(shape, 0) + 1
-        short = [kind for kind in self.kinds if times[kind] is None or len(times[kind]) < TRIALS]
+        short = self.on_trial(shape)
         exploring = count % EXPLORE_EVERY == 0 and len(self.kinds) > 1
         self.steady = not short and not exploring
         if short:  # the kinds still short of their trials, by turns
@@ -214,10 +223,7 @@ class WeightChoice:
 
     def chosen(self, shape) -> str | None:
         """The kind that `shape`'s forwards run now, or None while its kinds are still on trial."""
-        times = self.times.get(shape, {})
-        if any(times.get(kind) is None or len(times[kind]) < TRIALS for kind in self.kinds):
-            return None
-        return self.fastest(shape)
+        return None if self.on_trial(shape) else self.fastest(shape)
 
     def record(self, shape, kind: str, seconds: float) -> None:
         times = self.times.setdefault(shape, dict.fromkeys(self.kinds))
@@ -401,10 +407,7 @@ def adaptive_weights(model: nn.Module):
         weights.active = False
         for hook in hooks:
             hook.remove()
-        set_kind("plain")
-        for module in linears:
-            for _, attribute in LAYOUTS.values():
-                module.__dict__.pop(attribute, None)
+        _restore(linears)
 
 
 def steady_forward(model: nn.Module) -> bool:
