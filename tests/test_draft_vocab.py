@@ -1,5 +1,7 @@
 """A reduced draft vocabulary: heads score a subset of the tokens, drafts map back to base ids, decoding stays exact."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import HIDDEN, VOCAB, make_prompt, make_verifier
@@ -8,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from hf_mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel
+from hf_mlp_speculator.drafting.drafts import TreeSpec, draft_chain, draft_tree
 
 DRAFT_IDS = torch.tensor([3, 5, 8, 13, 21, 34, 55, 89])
 
@@ -39,6 +42,29 @@ def test_step_scores_the_draft_vocabulary_only():
             # The same numbers as the head's own weights rows, independently of the package's mapping.
             expected = state @ heads.head[i].weight.T
             torch.testing.assert_close(logits[:, DRAFT_IDS], expected)
+
+
+def test_chains_and_trees_draft_over_the_draft_vocabulary_as_over_the_whole_one():
+    """Greedy chains and trees score the draft vocabulary alone: the same drafts and confidences as the heads' logits
+    spread over the whole vocabulary give, computed here from `step`."""
+    heads = draft_vocab_speculator(n_predict=3).speculator.requires_grad_(False)
+    hidden, last = torch.randn(4, HIDDEN), torch.randint(0, VOCAB, (4,))
+    chain = draft_chain(heads, hidden, last, None, 3)
+    state, token, expected, confidences = heads.input_state(hidden), last, [last], []
+    for head in range(3):
+        state, logits = heads.step(head, state, token)
+        token = logits.argmax(dim=-1)
+        expected.append(token)
+        confidences.append(logits.softmax(dim=-1)[torch.arange(4), token])
+    assert torch.equal(chain.tokens, torch.stack(expected, dim=1))
+    assert set(chain.tokens[:, 1:].flatten().tolist()) <= set(DRAFT_IDS.tolist())
+    torch.testing.assert_close(chain.confidences, torch.stack(confidences, dim=1))
+    tree = TreeSpec((2, 2, 2), 4, 3)
+    whole = SimpleNamespace(draft_vocab=None, step=heads.step, input_state=heads.input_state)  # spread over all
+    expected_tree, drafted_tree = draft_tree(whole, hidden, last, None, 3, tree), draft_tree(heads, hidden, last, None,
+                                                                                             3, tree)
+    assert torch.equal(drafted_tree.tokens, expected_tree.tokens)
+    assert torch.equal(drafted_tree.tree.parents, expected_tree.tree.parents)
 
 
 def test_labels_are_mapped_into_the_draft_vocabulary():

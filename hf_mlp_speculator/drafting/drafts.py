@@ -31,13 +31,19 @@ class DraftHeads(Protocol):
     """
     What drafts: a speculator's heads. `input_state` turns the verifier's hidden states `(rows, ..., hidden)` into head
     0's state; `step(head, state, tokens)` runs head `head` on a state and the tokens before it (shaped as the state's
-    leading dimensions) and returns the next state and its logits over the vocabulary. A state is a tensor or a tuple
-    of tensors (an LSTM carries two), each with the rows, and for trees the candidates, as leading dimensions.
+    leading dimensions) and returns the next state and its logits over the vocabulary. Heads that score a reduced
+    draft vocabulary list its ids in `draft_vocab` (None: the whole vocabulary), and `draft_step` returns their logits
+    over it alone. A state is a tensor or a tuple of tensors (an LSTM carries two), each with the rows, and for trees
+    the candidates, as leading dimensions.
     """
+
+    draft_vocab: torch.LongTensor | None
 
     def input_state(self, hidden_states: torch.Tensor): ...
 
     def step(self, head: int, state, input_ids: torch.LongTensor) -> tuple[object, torch.Tensor]: ...
+
+    def draft_step(self, head: int, state, input_ids: torch.LongTensor) -> tuple[object, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -224,14 +230,19 @@ def draft_chain(heads: DraftHeads, hidden, last_tokens, limits, depth: int, proc
     token = last_tokens
     drafts, confidences = [], []
     for head in range(depth):
-        state, logits = heads.step(head, state, token.to(_device(state)))
-        scores = logits.to(device)
-        if process is not None or select is not None:  # the distribution a sample is drawn from, exactly in fp32
-            scores = scores.float() if process is None else process(scores.float(), drafts)
-        token = scores.argmax(dim=-1) if select is None else select(scores, head)
+        if process is None and select is None:
+            state, logits, vocab = scored_step(heads, head, state, token.to(_device(state)))
+            index = logits.argmax(dim=-1)
+            token = (index if vocab is None else vocab[index]).to(device)
+            scores = logits
+        else:  # the distribution a sample is drawn from, over the whole vocabulary, exactly in fp32
+            state, logits = heads.step(head, state, token.to(_device(state)))
+            scores = logits.to(device).float()
+            scores = scores if process is None else process(scores, drafts)
+            index = token = scores.argmax(dim=-1) if select is None else select(scores, head)
         drafts.append(token)
         # NaN or infinite logits make the whole softmax NaN, hence a NaN confidence: the check below sees them.
-        confidences.append(scores.softmax(dim=-1, dtype=torch.float32).gather(1, token[:, None]))
+        confidences.append(scores.softmax(dim=-1, dtype=torch.float32).gather(1, index[:, None]).to(device))
     confidences = torch.cat(confidences, dim=1)
     heads_run = torch.arange(depth, device=device)
     broken = confidences.isnan()
@@ -261,13 +272,13 @@ def draft_tree(heads: DraftHeads, hidden, last_tokens, limits, depth: int, tree:
     paths = token.new_zeros(rows, 1, 0)
     ends = torch.full((rows,), depth, device=device)
     for head in range(depth):
-        state, logits = heads.step(head, state, token)
+        state, logits, vocab = scored_step(heads, head, state, token)
         broken = ~torch.isfinite(logits).flatten(1).all(dim=-1)
         ends = torch.where(broken, ends.clamp(max=head), ends)
         logits = logits.masked_fill(broken[:, None, None], 0.0)  # picking from them still works; they are cut
         best = logits.float().log_softmax(dim=-1).topk(top_k[head], dim=-1)
         scores = (scores[..., None] + best.values).flatten(1)
-        token = best.indices.flatten(1)
+        token = (best.indices if vocab is None else vocab[best.indices]).flatten(1)
         paths = torch.cat([paths.repeat_interleave(top_k[head], dim=1), token[..., None]], dim=-1)
         state = tree_map(lambda part, k=top_k[head]: part.repeat_interleave(k, dim=1), state)
     chosen = scores.topk(min(tree.n_candidates, scores.shape[1]), dim=-1).indices
@@ -276,6 +287,18 @@ def draft_tree(heads: DraftHeads, hidden, last_tokens, limits, depth: int, tree:
     drafts = tree_from_candidates(candidates, last_tokens, ends if limits is None else torch.minimum(limits, ends))
     drafts.nonfinite = ends < depth
     return drafts
+
+
+def scored_step(heads: DraftHeads, head: int, state, input_ids: torch.LongTensor):
+    """
+    Head `head`'s next state, its logits over the tokens it scores, and their ids (None: the whole vocabulary), where
+    greedy drafts and trees need no more: the tokens outside a draft vocabulary have probability zero. Spreading its
+    logits over the whole vocabulary first cost as much as the head itself at 8 rows, twice it at 32 (the default
+    speculator: 2048 of SmolLM2's 49152 tokens, 2026-12-07).
+    """
+    if heads.draft_vocab is None:
+        return *heads.step(head, state, input_ids), None
+    return *heads.draft_step(head, state, input_ids), heads.draft_vocab
 
 
 def _device(state) -> torch.device:
