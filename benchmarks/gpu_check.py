@@ -40,6 +40,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_mlp_speculator import FixedDepth, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, speculation_state
+from hf_mlp_speculator.drafting.drafts import scored_step
 from hf_mlp_speculator.generation.transformers_hooks import cache_kwargs, output_cache
 from hf_mlp_speculator.training import SpeculatorTrainingArguments, train
 
@@ -127,7 +128,7 @@ def cost_profile(base, speculator, batch: int, context: int, device, repeats: in
     states = [heads.input_state(prefill.hidden_states[-1][:, -1].to(speculator.dtype))]
     for head in range(HEADS - 1):  # the state each head takes: the one the head before it made
         states.append(heads.step(head, states[-1], token)[0])
-    head_ms = [timed_ms(lambda h=h: heads.step(h, states[h], token), device, repeats) for h in range(HEADS)]
+    head_ms = [timed_ms(lambda h=h: scored_step(heads, h, states[h], token), device, repeats) for h in range(HEADS)]
     return {"plain_ms": verify[1], "verify_ms_by_new_tokens": verify, "head_ms": head_ms}
 
 

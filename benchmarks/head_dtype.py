@@ -16,18 +16,14 @@ import time
 
 import torch
 
+from hf_mlp_speculator.drafting.drafts import draft_chain
 from hf_mlp_speculator.tools.default_models import evaluation_prompts
 from hf_mlp_speculator.tools.runs import encode_prompts, load_pair, machine_description
 
 
 def head_chain(heads, hidden, token, depth):
-    state, drafts = heads.input_state(hidden), []
-    for head in range(depth):
-        state, logits = heads.step(head, state, token)
-        token = logits.argmax(dim=-1)
-        logits.float().softmax(dim=-1).gather(1, token[:, None])
-        drafts.append(token)
-    return torch.stack(drafts, dim=1)
+    """A greedy chain of `depth` drafts, as decoding drafts it."""
+    return draft_chain(heads, hidden, token, None, depth).tokens[:, 1:]
 
 
 @torch.no_grad()

@@ -41,6 +41,7 @@ from test_host_syncs import HostSyncs  # noqa: E402
 from test_loop_overhead import OperationCount  # noqa: E402
 
 from hf_mlp_speculator import FixedDepth, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, speculation_state  # noqa: E402
+from hf_mlp_speculator.drafting.drafts import scored_step  # noqa: E402
 from hf_mlp_speculator.generation import mixin as generation
 from hf_mlp_speculator.generation.speculative_decoding import SpeculativeBatch  # noqa: E402
 from hf_mlp_speculator.generation.transformers_hooks import cache_kwargs, output_cache  # noqa: E402
@@ -150,8 +151,8 @@ def bare_costs(verifier, speculator, rows: int, repeats: int = 10) -> dict:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _, logits = heads.step(0, state, token)
-        logits.softmax(dim=-1).gather(1, logits.argmax(dim=-1)[:, None])  # what drafting does with a head's logits
+        _, logits, _ = scored_step(heads, 0, state, token)
+        logits.softmax(dim=-1).gather(1, logits.argmax(dim=-1)[:, None])  # what greedy drafting does with them
         times.append(time.perf_counter() - start)
     out["head"] = statistics.median(times)
     return out

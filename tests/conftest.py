@@ -78,8 +78,6 @@ class OracleHeads(nn.Module):
     with the right token a close second (so a tree that keeps two tokens per head still finds it).
     """
 
-    draft_vocab = None  # it scores the whole vocabulary
-
     def __init__(
         self, sequences: torch.LongTensor, hidden_states: torch.Tensor, wrong=lambda row, position, head: False
     ):

@@ -60,11 +60,23 @@ def test_chains_and_trees_draft_over_the_draft_vocabulary_as_over_the_whole_one(
     assert set(chain.tokens[:, 1:].flatten().tolist()) <= set(DRAFT_IDS.tolist())
     torch.testing.assert_close(chain.confidences, torch.stack(confidences, dim=1))
     tree = TreeSpec((2, 2, 2), 4, 3)
-    whole = SimpleNamespace(draft_vocab=None, step=heads.step, input_state=heads.input_state)  # spread over all
+    whole = SimpleNamespace(step=heads.step, input_state=heads.input_state)  # the logits spread over all the tokens
     expected_tree, drafted_tree = draft_tree(whole, hidden, last, None, 3, tree), draft_tree(heads, hidden, last, None,
                                                                                              3, tree)
     assert torch.equal(drafted_tree.tokens, expected_tree.tokens)
     assert torch.equal(drafted_tree.tree.parents, expected_tree.tree.parents)
+
+
+def test_a_tree_wider_than_the_draft_vocabulary_keeps_every_draft_token():
+    """A head that keeps more tokens per branch than the draft vocabulary holds keeps them all (the rest have
+    probability zero), and the likeliest paths are those of a tree over the whole vocabulary."""
+    heads = draft_vocab_speculator(n_predict=2).speculator.requires_grad_(False)
+    hidden, last = torch.randn(2, HIDDEN), torch.randint(0, VOCAB, (2,))
+    tree = TreeSpec((len(DRAFT_IDS) + 2, 3), 5, 2)
+    drafted = draft_tree(heads, hidden, last, None, 2, tree)
+    whole = draft_tree(SimpleNamespace(step=heads.step, input_state=heads.input_state), hidden, last, None, 2, tree)
+    assert torch.equal(drafted.tokens, whole.tokens) and torch.equal(drafted.tree.parents, whole.tree.parents)
+    assert set(drafted.tokens[:, 1:].flatten().tolist()) <= set(DRAFT_IDS.tolist()) | {0}  # 0: padding nodes
 
 
 def test_labels_are_mapped_into_the_draft_vocabulary():

@@ -64,8 +64,6 @@ class TwoStateHeads(torch.nn.Module):
     """Draft heads whose state is a pair of tensors (as an LSTM's hidden and cell states): head `h` mixes the hidden
     state with the token's embedding, and the second tensor, a running sum of the tokens read, shifts the logits."""
 
-    draft_vocab = None  # they score the whole vocabulary
-
     def __init__(self, num_heads=3):
         super().__init__()
         generator = torch.Generator().manual_seed(0)

@@ -32,18 +32,14 @@ class DraftHeads(Protocol):
     What drafts: a speculator's heads. `input_state` turns the verifier's hidden states `(rows, ..., hidden)` into head
     0's state; `step(head, state, tokens)` runs head `head` on a state and the tokens before it (shaped as the state's
     leading dimensions) and returns the next state and its logits over the vocabulary. Heads that score a reduced
-    draft vocabulary list its ids in `draft_vocab` (None: the whole vocabulary), and `draft_step` returns their logits
-    over it alone. A state is a tensor or a tuple of tensors (an LSTM carries two), each with the rows, and for trees
-    the candidates, as leading dimensions.
+    draft vocabulary may also list its ids in `draft_vocab` and give their logits over it alone through `draft_step`
+    (`scored_step` uses them). A state is a tensor or a tuple of tensors (an LSTM carries two), each with the rows, and
+    for trees the candidates, as leading dimensions.
     """
-
-    draft_vocab: torch.LongTensor | None
 
     def input_state(self, hidden_states: torch.Tensor): ...
 
     def step(self, head: int, state, input_ids: torch.LongTensor) -> tuple[object, torch.Tensor]: ...
-
-    def draft_step(self, head: int, state, input_ids: torch.LongTensor) -> tuple[object, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -276,11 +272,13 @@ def draft_tree(heads: DraftHeads, hidden, last_tokens, limits, depth: int, tree:
         broken = ~torch.isfinite(logits).flatten(1).all(dim=-1)
         ends = torch.where(broken, ends.clamp(max=head), ends)
         logits = logits.masked_fill(broken[:, None, None], 0.0)  # picking from them still works; they are cut
-        best = logits.float().log_softmax(dim=-1).topk(top_k[head], dim=-1)
+        # A branch keeps at most the tokens its head scores: the rest have probability zero.
+        k = min(top_k[head], logits.shape[-1])
+        best = logits.float().log_softmax(dim=-1).topk(k, dim=-1)
         scores = (scores[..., None] + best.values).flatten(1)
         token = (best.indices if vocab is None else vocab[best.indices]).flatten(1)
-        paths = torch.cat([paths.repeat_interleave(top_k[head], dim=1), token[..., None]], dim=-1)
-        state = tree_map(lambda part, k=top_k[head]: part.repeat_interleave(k, dim=1), state)
+        paths = torch.cat([paths.repeat_interleave(k, dim=1), token[..., None]], dim=-1)
+        state = tree_map(lambda part: part.repeat_interleave(k, dim=1), state)
     chosen = scores.topk(min(tree.n_candidates, scores.shape[1]), dim=-1).indices
     candidates = paths.gather(1, chosen[..., None].expand(-1, -1, paths.shape[-1]))
     ends = ends.to(last_tokens.device)
@@ -296,9 +294,10 @@ def scored_step(heads: DraftHeads, head: int, state, input_ids: torch.LongTensor
     logits over the whole vocabulary first cost as much as the head itself at 8 rows, twice it at 32 (the default
     speculator: 2048 of SmolLM2's 49152 tokens, 2026-12-07).
     """
-    if heads.draft_vocab is None:
+    vocab = getattr(heads, "draft_vocab", None)
+    if vocab is None:
         return *heads.step(head, state, input_ids), None
-    return *heads.draft_step(head, state, input_ids), heads.draft_vocab
+    return *heads.draft_step(head, state, input_ids), vocab
 
 
 def _device(state) -> torch.device:
