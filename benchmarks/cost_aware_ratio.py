@@ -10,6 +10,7 @@ it on the faster weights, which is what the drafts bring; whether every output w
 controller chose, and the CPU it ran on.
 
     python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64 --repeats 2
+    python benchmarks/cost_aware_ratio.py --batch-sizes 32 --num-prompts 32 --min-calls 16   # 16 calls of each kind
     python benchmarks/cost_aware_ratio.py --speculator untrained --batch-sizes 1,8 --first-call
     python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7   # sampled, each batch under one seed
     python benchmarks/cost_aware_ratio.py --batch-sizes 1 --temperature 0.7 --rejection   # transformers' sampling
@@ -35,8 +36,11 @@ def parse_args():
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1,
-                        help="run the prompts this many times (a batch of 32 is one call per pass, and two calls of a "
-                             "shared machine differ by up to 20%%)")
+                        help="run the prompts at least this many times (a batch of 32 is one call per pass, and two "
+                             "calls of a shared machine differ by up to 20%%)")
+    parser.add_argument("--min-calls", type=int, default=8,
+                        help="and as many more times as it takes for each kind of call to run this many times at "
+                             "every batch size (2 calls at batch 32 gave 0.87x and 0.99x in two processes)")
     parser.add_argument("--assistant-confidence-threshold", type=float, help="passed to the speculative calls only")
     parser.add_argument("--tree", action="store_true", help="draft trees (the speculator's n_candidates)")
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
@@ -65,7 +69,8 @@ def time_calls(model, speculator, batches, args, pad):
     """
     calls, same, metrics = {"plain": [], "faster weights": [], "speculative": []}, True, None
     runs = [("plain", {}), ("faster weights", {}), ("speculative", speculative_kwargs(args, speculator))]
-    for index, (input_ids, mask) in enumerate([batches[0]] + batches * args.repeats):
+    passes = max(args.repeats, -(-args.min_calls // len(batches)))
+    for index, (input_ids, mask) in enumerate([batches[0]] + batches * passes):
         warmup = index == 0
         kwargs = dict(attention_mask=mask, do_sample=args.temperature is not None, pad_token_id=pad,
                       max_new_tokens=WARMUP_TOKENS * 2 if warmup else args.max_new_tokens)  # fmt: skip
@@ -95,14 +100,17 @@ def report(size: int, calls: dict, same: bool, metrics, sampled: bool) -> None:
     seconds = {name: sum(times) for name, times in calls.items()}
     # Per call, the ratio of neighbouring calls on the same prompts: a slow spell of a shared machine that hits one
     # call moves the median less than the sums.
-    per_call = {base: statistics.median(b / s for b, s in zip(calls[base], calls["speculative"]))
-                for base in ("plain", "faster weights")}  # fmt: skip
+    ratios = {base: [b / s for b, s in zip(calls[base], calls["speculative"])] for base in ("plain", "faster weights")}
+    per_call = {base: statistics.median(r) for base, r in ratios.items()}
+    # The middle half of the per-call ratios: how far apart neighbouring calls of this machine fell.
+    low, _, high = statistics.quantiles(ratios["faster weights"], n=4) if len(calls["speculative"]) > 1 else [0.0] * 3
     print(
         f"batch {size}: speedup {seconds['plain'] / seconds['speculative']:.2f}x over plain generate(), "
         f"{seconds['faster weights'] / seconds['speculative']:.2f}x over it on the faster weights "
         f"(plain {seconds['plain']:.1f} s, faster weights {seconds['faster weights']:.1f} s, "
         f"speculative {seconds['speculative']:.1f} s, {len(calls['speculative'])} calls each; median per call "
-        f"{per_call['plain']:.2f}x and {per_call['faster weights']:.2f}x), "
+        f"{per_call['plain']:.2f}x and {per_call['faster weights']:.2f}x, the middle half of the latter "
+        f"{low:.2f}-{high:.2f}x), "
         f"identical: {'n/a (sampled)' if sampled else 'yes' if same else 'NO'}, "
         f"tokens/step {metrics.mean_tokens_per_step:.2f}, "
         f"steps by k {metrics.steps_by_depth}, verify ms by k "
