@@ -229,7 +229,7 @@ def draft_chain(heads: DraftHeads, hidden, last_tokens, limits, depth: int, proc
         if process is None and select is None:
             state, logits, vocab = scored_step(heads, head, state, token.to(_device(state)))
             index = logits.argmax(dim=-1)
-            token = (index if vocab is None else vocab[index]).to(device)
+            token = base_ids(vocab, index).to(device)
             scores = logits
         else:  # the distribution a sample is drawn from, over the whole vocabulary, exactly in fp32
             state, logits = heads.step(head, state, token.to(_device(state)))
@@ -276,7 +276,7 @@ def draft_tree(heads: DraftHeads, hidden, last_tokens, limits, depth: int, tree:
         k = min(top_k[head], logits.shape[-1])
         best = logits.float().log_softmax(dim=-1).topk(k, dim=-1)
         scores = (scores[..., None] + best.values).flatten(1)
-        token = (best.indices if vocab is None else vocab[best.indices]).flatten(1)
+        token = base_ids(vocab, best.indices).flatten(1)
         paths = torch.cat([paths.repeat_interleave(k, dim=1), token[..., None]], dim=-1)
         state = tree_map(lambda part: part.repeat_interleave(k, dim=1), state)
     chosen = scores.topk(min(tree.n_candidates, scores.shape[1]), dim=-1).indices
@@ -298,6 +298,11 @@ def scored_step(heads: DraftHeads, head: int, state, input_ids: torch.LongTensor
     if vocab is None:
         return *heads.step(head, state, input_ids), None
     return *heads.draft_step(head, state, input_ids), vocab
+
+
+def base_ids(vocab: torch.LongTensor | None, index: torch.LongTensor) -> torch.LongTensor:
+    """The vocabulary ids of positions `index` in logits that `scored_step` gave over `vocab`."""
+    return index if vocab is None else vocab[index]
 
 
 def _device(state) -> torch.device:

@@ -26,7 +26,7 @@ from torch import nn
 from transformers.utils import logging
 
 from ..cpu.weight_layouts import fast_cpu_decoding, fixed_layout, kinds_that_fit, packed_matches_plain
-from ..drafting.drafts import scored_step
+from ..drafting.drafts import base_ids, scored_step
 from ..generation.transformers_hooks import cache_kwargs, output_cache
 from ..utils.batching import left_padded
 from ..utils.data_sources import iter_documents
@@ -295,9 +295,8 @@ def measure_verify_cost(model, speculator, context_length: int = 300, max_k: int
 
     def draft(head):  # a greedy draft as decoding makes it
         def run(_):
-            _, logits, vocab = scored_step(heads, head, states[head], tokens[head])
-            index = logits.argmax(-1)
-            return index if vocab is None else vocab[index]
+            _, logits, draft_vocab = scored_step(heads, head, states[head], tokens[head])
+            return base_ids(draft_vocab, logits.argmax(-1))
 
         return run
 
