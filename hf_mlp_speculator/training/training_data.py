@@ -21,6 +21,7 @@ from transformers.utils import logging
 from ..utils.package_data import cache_dir, evaluation_prompts
 from ..utils.progress import Progress
 from .documents import Corpus
+from .grouped_attention import grouped_sdpa
 from .prompts import keep_new, normalized, render_chat_prompt, synthesize_user_turns
 from .targets import TargetCache, Targets, continue_prompts, end_of_sequence_ids, fingerprint, teacher_force
 
@@ -137,12 +138,12 @@ def build_training_data(args, base, tokenizer, accelerator, budget_seconds: floa
     held_out = _held_out_prompts(args, tokenizer, corpus)
     size = args.generation_batch_size
     batches = [held_out[i : i + size] for i in range(0, len(held_out), size)]
-    evaluation = jobs.computed([jobs.continuation(b, args.eval_new_tokens, True, 0) for b in batches])
-    spent = sum(seconds for _, seconds in evaluation) / jobs.parallel
-
-    with progress:
-        training_jobs = _training_jobs(args, base, tokenizer, corpus, jobs, held_out)
-        parts, spent = _within_budget(jobs, training_jobs, spent, budget_seconds)
+    with grouped_sdpa(base):  # the base's padded batches on CPU, without copies of its grouped key/value heads
+        evaluation = jobs.computed([jobs.continuation(b, args.eval_new_tokens, True, 0) for b in batches])
+        spent = sum(seconds for _, seconds in evaluation) / jobs.parallel
+        with progress:
+            training_jobs = _training_jobs(args, base, tokenizer, corpus, jobs, held_out)
+            parts, spent = _within_budget(jobs, training_jobs, spent, budget_seconds)
     if not parts and budget_seconds:
         raise ValueError(
             f"--max-train-minutes {args.max_train_minutes:g} is spent before any training target: the held-out "
