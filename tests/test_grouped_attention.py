@@ -1,12 +1,18 @@
-"""The targets' attention on CPU: grouped key/value heads read in place under a padding mask, same results as `sdpa`."""
+"""The targets' attention on CPU: grouped key/value heads read in place under a padding mask, as `sdpa` computes."""
 
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as sdpa_attention
 from conftest import VOCAB, make_verifier
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_mlp_speculator.training.grouped_attention import grouped_sdpa
+from hf_mlp_speculator.training import grouped_attention
+from hf_mlp_speculator.training.grouped_attention import grouped_sdpa, grouped_sdpa_attention_forward
 from hf_mlp_speculator.training.targets import continue_prompts
+
+
+# torch 2.7 and 2.8 run grouped heads under a mask in the math kernel, slower than copying them: nothing to read there.
+needs_cpu_flash = pytest.mark.skipif(not grouped_attention.CPU_FLASH_TAKES_GROUPED_HEADS, reason="torch < 2.9")
 
 
 @pytest.fixture
@@ -19,6 +25,7 @@ def repeat_kv_calls(monkeypatch):
         return real(hidden_states, n_rep)
 
     monkeypatch.setattr(sdpa_attention, "repeat_kv", counting)
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)  # transformers 5.25's own switch
     return calls
 
 
@@ -29,6 +36,7 @@ def padded_batch():
     return input_ids, mask
 
 
+@needs_cpu_flash
 @torch.no_grad()
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_padded_forward_reads_grouped_heads_in_place_with_sdpa_results(arch, repeat_kv_calls):
@@ -42,25 +50,53 @@ def test_padded_forward_reads_grouped_heads_in_place_with_sdpa_results(arch, rep
         logits = model(input_ids, attention_mask=mask).logits
     assert repeat_kv_calls == []
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
-    assert model.config._attn_implementation == "sdpa"
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_attention_forward
 
 
-def test_the_model_attends_as_before_after_an_error_inside():
-    model = make_verifier()
-    with pytest.raises(RuntimeError, match="stop"), grouped_sdpa(model):
-        assert model.config._attn_implementation != "sdpa"
+@needs_cpu_flash
+def test_the_registry_is_as_before_afterwards_after_an_error_and_with_an_override_of_the_users(repeat_kv_calls):
+    transformers_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with pytest.raises(RuntimeError, match="stop"), grouped_sdpa(make_verifier()):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not transformers_sdpa
         raise RuntimeError("stop")
-    assert model.config._attn_implementation == "sdpa"
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is transformers_sdpa
+
+    users = []  # a user's own `sdpa`, which the fallback must call
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda *args, **kwargs: users.append(1) or transformers_sdpa(*args, **kwargs)
+    try:
+        users_sdpa, model = ALL_ATTENTION_FUNCTIONS["sdpa"], make_verifier()
+        with torch.no_grad(), grouped_sdpa(model), grouped_sdpa(model):  # nested: the inner one changes nothing more
+            model(*padded_batch()[:1])  # no mask: the user's function computes it
+            assert len(users) == model.config.num_hidden_layers
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is users_sdpa
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is transformers_sdpa
 
 
-def test_a_model_that_does_not_attend_with_sdpa_is_left_as_it_is():
-    model = make_verifier()
-    model.set_attn_implementation("eager")
-    with grouped_sdpa(model):
-        assert model.config._attn_implementation == "eager"
-    assert model.config._attn_implementation == "eager"
+def test_other_devices_positional_biases_and_heads_that_are_not_grouped_attend_with_sdpa_itself():
+    calls = []
+
+    def sdpa(*args, **kwargs):
+        calls.append(kwargs)
+        return "sdpa's", None
+
+    def attend(query, heads=2, device="cpu", mask=True, **kwargs):
+        key = torch.zeros(1, heads, 5, 8, device=device)
+        attention_mask = torch.ones(1, 1, 1, 5, dtype=torch.bool, device=device) if mask else None
+        return grouped_sdpa_attention_forward(None, query, key, key, attention_mask, sdpa=sdpa, **kwargs)[0]
+
+    cpu, meta = torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8, device="meta")
+    assert attend(meta, device="meta") == "sdpa's"
+    assert attend(cpu, position_bias=torch.zeros(1, 4, 1, 5)) == "sdpa's"
+    assert attend(cpu, softcap=30.0) == "sdpa's" and calls[-1] == {"softcap": 30.0}
+    assert attend(cpu, heads=4) == "sdpa's"
+    assert attend(cpu, mask=False) == "sdpa's"
+    assert len(calls) == 5
+    assert attend(cpu).shape == (1, 1, 4, 8) and len(calls) == 5  # grouped under a mask on CPU: read in place
 
 
+@needs_cpu_flash
 def test_continuations_of_padded_prompts_are_the_same_as_with_sdpa(repeat_kv_calls):
     model = make_verifier()
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
@@ -76,6 +112,7 @@ def test_continuations_of_padded_prompts_are_the_same_as_with_sdpa(repeat_kv_cal
     torch.testing.assert_close(targets.topk_logprobs, expected.topk_logprobs, rtol=2**-10, atol=1e-5)
 
 
+@needs_cpu_flash
 def test_the_trainer_computes_its_targets_without_copies_of_grouped_heads(tmp_path, repeat_kv_calls):
     from test_training_data import ONE_PROCESS, data_args
     from tiny_tokenizer import char_tokenizer
@@ -88,4 +125,13 @@ def test_the_trainer_computes_its_targets_without_copies_of_grouped_heads(tmp_pa
     data = build_training_data(data_args(tmp_path, prompts), base, char_tokenizer(), ONE_PROCESS)
     assert len(data.train) and len(data.eval)
     assert repeat_kv_calls == []  # every batch is padded: each forward would have copied them
-    assert base.config._attn_implementation == "sdpa"
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_attention_forward
+
+
+@pytest.mark.parametrize("torch_reads_them", [False, True])
+def test_before_torch_2_9_and_off_the_cpu_sdpa_stays_as_it_is(torch_reads_them, repeat_kv_calls, monkeypatch):
+    monkeypatch.setattr(grouped_attention, "CPU_FLASH_TAKES_GROUPED_HEADS", torch_reads_them)
+    model = make_verifier()
+    model = model if not torch_reads_them else model.to("meta")
+    with grouped_sdpa(model):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_attention_forward

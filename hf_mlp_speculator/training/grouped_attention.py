@@ -1,28 +1,44 @@
 """SDPA attention that reads grouped key/value heads in place, for the base model's target computation on CPU.
 
 Under an attention mask, transformers' `sdpa` attention copies each key and value head `num_key_value_groups` times
-(`repeat_kv`) before every call, because CUDA's SDPA kernels take grouped heads only without a mask. The CPU flash
-kernel takes both (`enable_gqa`, torch 2.5 and later), and there the copies are most of a decoding step: the base
-continues its prompts 128 rows at a time, left-padded, so every step has a mask and copies the whole cache three
-times for SmolLM2-135M (9 query heads, 3 key/value heads). Continuing 128 training prompts by 160 tokens on a 2-core
-Xeon ran at 150 positions/s with the copies and 239 without, with bit-identical targets (2026-12-07).
+(`repeat_kv`) before every call, because CUDA's SDPA kernels take grouped heads only without a mask (5.25 spares
+one-token steps the copies, not longer ones). Since torch 2.9 the CPU flash kernel takes both (`enable_gqa`; torch
+2.7 and 2.8 send grouped heads under a mask to the slower math kernel, which copies them itself), and the copies are
+most of a decoding step: the base continues its prompts 128 rows at a time, left-padded, so every step has a mask
+and copies the whole cache three times for SmolLM2-135M (9 query heads, 3 key/value heads). Continuing 128 training
+prompts by 160 tokens on a 2-core Xeon ran at 150 positions/s with the copies and 239 without, with the same tokens
+(transformers 5.17, 2026-12-07).
 """
 
 import contextlib
+import functools
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.import_utils import is_torch_greater_or_equal
 
-NAME = "hf_mlp_speculator_grouped_sdpa"
+CPU_FLASH_TAKES_GROUPED_HEADS = is_torch_greater_or_equal("2.9")
 
 
-def grouped_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' `sdpa` attention, except that on CPU grouped key/value heads under a mask are read in place."""
+def grouped_sdpa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    *,
+    sdpa,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`sdpa`, transformers' attention function, except that on CPU grouped heads under a mask are read in place.
+    (With a mask, `sdpa` does not use `is_causal`: the mask holds the causal pattern.)"""
     grouped = key.shape[1] != query.shape[1]
-    if attention_mask is None or not grouped or query.device.type != "cpu" or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    elsewhere = query.device.type != "cpu" or any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))
+    if attention_mask is None or not grouped or elsewhere:
+        return sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
@@ -30,15 +46,21 @@ def grouped_sdpa_attention_forward(module, query, key, value, attention_mask, dr
 
 
 @contextlib.contextmanager
-def grouped_sdpa(model):
-    """Inside, `model` attends with `grouped_sdpa_attention_forward` if it attends with `sdpa`; otherwise as it was."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+def grouped_sdpa(model: nn.Module):
+    """
+    Inside, `sdpa` attention on CPU reads grouped key/value heads in place under a mask, for `model` and any other
+    model of the process (the same results up to rounding); for a model elsewhere, or before torch 2.9, nothing
+    changes. The entry is swapped in transformers' attention registry rather than `model` switched to a new name,
+    because some models test for the name "sdpa" itself (sparse-attention ones apply their index mask only under it).
+    """
+    if model.device.type != "cpu" or not CPU_FLASH_TAKES_GROUPED_HEADS:
         yield model
         return
-    AttentionInterface.register(NAME, grouped_sdpa_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the same masks as `sdpa`
-    model.set_attn_implementation(NAME)
+    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = functools.partial(grouped_sdpa_attention_forward, sdpa=previous)
     try:
         yield model
     finally:
-        model.set_attn_implementation("sdpa")
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]  # this override; transformers' own entry shows again
+        if ALL_ATTENTION_FUNCTIONS["sdpa"] is not previous:  # an override that was there before
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
