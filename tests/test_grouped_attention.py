@@ -124,7 +124,7 @@ def test_the_trainer_computes_its_targets_without_copies_of_grouped_heads(tmp_pa
     base = make_verifier()
     data = build_training_data(data_args(tmp_path, prompts), base, char_tokenizer(), ONE_PROCESS)
     assert len(data.train) and len(data.eval)
-    assert repeat_kv_calls == []  # every batch is padded: each forward would have copied them
+    assert repeat_kv_calls == []  # its training batches are padded: each of their forwards would have copied them
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_attention_forward
 
 
