@@ -9,7 +9,7 @@ import os
 
 from transformers import AutoConfig, AutoModel
 
-from .cpu.weight_layouts import fast_cpu_decoding
+from .cpu.fast_decoding import fast_cpu_decoding
 from .drafting.metrics import SpeculationMetrics
 from .drafting.state import FixedDepth, SpeculationState, speculation_state
 from .generation.candidate_generator import MLPSpeculatorCandidateGenerator

@@ -22,7 +22,7 @@ from hf_mlp_speculator.tools.bench import (
     new_tokens_per_row,
     summarize,
 )
-from hf_mlp_speculator.tools.runs import GenerationRun, load_pair, machine_description, token_latencies
+from hf_mlp_speculator.tools.runs import GenerationRun, cpu_features, load_pair, machine_description, token_latencies
 from hf_mlp_speculator.training.documents import left_padded
 
 
@@ -266,3 +266,11 @@ def test_bench_on_the_users_prompts(tiny_pair, tmp_path, clock):
     assert written["environment"]["prompts"] == str(prompts)
     plain = next(row for row in rows if row["mode"] == "plain greedy")
     assert plain["tokens"] == 2 * 6  # both prompts of the file, and only they, 6 tokens each
+
+
+def test_cpu_features_name_the_vector_width():
+    """A CPU without AVX-512 says so, and which width it has: which kind of weights wins follows from it."""
+    assert cpu_features({"fma", "avx", "avx2"}) == ["AVX2", "no AVX-512", "no AMX"]
+    assert cpu_features({"avx2", "avx512f", "avx512_vnni"}) == ["AVX-512", "no AMX"]
+    assert cpu_features({"avx2", "avx512f", "avx512_bf16", "amx_tile"}) == ["AVX-512", "AVX-512 BF16", "AMX"]
+    assert cpu_features({"neon"}) == ["no AMX"] and cpu_features(set()) == []

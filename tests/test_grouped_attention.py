@@ -1,13 +1,16 @@
-"""The targets' attention on CPU: grouped key/value heads read in place under a padding mask, as `sdpa` computes."""
+"""Attention on CPU, in decoding and in the trainer's targets: grouped key/value heads read in place under a mask,
+with `sdpa`'s results."""
 
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as sdpa_attention
-from conftest import VOCAB, make_verifier
+from conftest import VOCAB, make_oracle, make_speculator, make_verifier
+from test_batched_decoding import ragged_batch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_mlp_speculator.training import grouped_attention
-from hf_mlp_speculator.training.grouped_attention import grouped_sdpa, grouped_sdpa_attention_forward
+from hf_mlp_speculator import fast_cpu_decoding
+from hf_mlp_speculator.cpu import grouped_attention
+from hf_mlp_speculator.cpu.grouped_attention import grouped_sdpa, grouped_sdpa_attention_forward
 from hf_mlp_speculator.training.targets import continue_prompts
 
 
@@ -49,7 +52,7 @@ def test_padded_forward_reads_grouped_heads_in_place_with_sdpa_results(arch, rep
     with grouped_sdpa(model):
         logits = model(input_ids, attention_mask=mask).logits
     assert repeat_kv_calls == []
-    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(logits, expected)  # the flash kernel computes each query head as it does on the copies
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_attention_forward
 
 
@@ -94,6 +97,33 @@ def test_other_devices_positional_biases_and_heads_that_are_not_grouped_attend_w
     assert attend(cpu, mask=False) == "sdpa's"
     assert len(calls) == 5
     assert attend(cpu).shape == (1, 1, 4, 8) and len(calls) == 5  # grouped under a mask on CPU: read in place
+
+
+@needs_cpu_flash
+@torch.no_grad()
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculative_and_fast_plain_decoding_of_a_padded_batch_read_grouped_heads_in_place(tree, repeat_kv_calls):
+    """
+    Every forward of speculative `generate()` on a padded batch has a mask (chains a 2D one, trees a 4D one), and so
+    would copy the whole cache's grouped heads: it reads them in place instead, as `fast_cpu_decoding` does for plain
+    decoding, with plain `generate()`'s tokens. Plain `generate()` itself is left as it is.
+    """
+    verifier, (input_ids, mask) = make_verifier(), ragged_batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
+    expected = verifier.generate(input_ids, **kwargs)
+    assert repeat_kv_calls  # plain generate() copies them
+    repeat_kv_calls.clear()
+
+    speculator = make_oracle(verifier, input_ids, 20, attention_mask=mask, wrong=lambda r, p, h: (r + p + h) % 4 == 0)
+    repeat_kv_calls.clear()
+    tree_kwargs = {"n_candidates": 3, "top_k_tokens_per_head": [2, 2, 1]} if tree else {}
+    output = verifier.generate(input_ids, **kwargs, assistant_model=speculator, **tree_kwargs)
+    assert torch.equal(output, expected)
+    assert speculator.speculation_metrics.num_accepted_tokens > 0  # steps verified drafts: several tokens per row
+    with fast_cpu_decoding(verifier):
+        assert torch.equal(verifier.generate(input_ids, **kwargs), expected)
+    assert repeat_kv_calls == []
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_attention_forward
 
 
 @needs_cpu_flash

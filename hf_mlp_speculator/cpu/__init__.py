@@ -1,1 +1,1 @@
-"""Plain, transposed or packed weights on CPU, forward by forward, whichever measures fastest."""
+"""CPU decoding: plain, transposed or packed weights forward by forward, and grouped heads read in place."""

@@ -9,7 +9,7 @@ its transpose, through the same public `F.linear`) and `packed` (a copy reordere
 flat from 1 to 8 rows on some CPUs and slower than plain on others, such as a Xeon with AMX). No probe decides once:
 `adaptive_weights(model)` times the model's own forwards, and each forward runs on the kind its shape's recent
 forwards measured fastest (`WeightChoice`). Speculative `generate()` enters it by itself; `fast_cpu_decoding(model)`
-is the same for plain decoding.
+(`fast_decoding.py`) is the same for plain decoding.
 
 Inside, every `nn.Linear` of the model multiplies with one of its copies or its own weight, by turns; on leaving,
 every one is a plain `nn.Linear` again, so the user's model is as it was: same classes, same parameters, `state_dict`,
@@ -415,22 +415,3 @@ def steady_forward(model: nn.Module) -> bool:
     weights that is not the fastest (a cost model timing it would see the slower kind's time)."""
     choice = cpu_weights(model).choice
     return choice is None or choice.steady
-
-
-@contextlib.contextmanager
-def fast_cpu_decoding(model: nn.Module):
-    """
-    Plain decoding on the fastest of the plain, transposed and packed weights, forward by forward
-    (`adaptive_weights`), as speculative `generate()` does by itself: for an fp32 CPU `model` (packed only where its
-    packed and plain forwards agree, checked once per model); elsewhere nothing changes. It is never slower than the
-    plain weights for long: a shape's first forwards try every kind, and then the fastest runs. On leaving, the model
-    is as it was.
-
-    ```python
-    >>> from hf_mlp_speculator import fast_cpu_decoding
-    >>> with fast_cpu_decoding(model):
-    ...     output = model.generate(input_ids, max_new_tokens=128)
-    ```
-    """
-    with adaptive_weights(model):
-        yield model

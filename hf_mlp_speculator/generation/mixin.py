@@ -25,6 +25,7 @@ from types import MethodType
 from transformers import GenerationMixin, StopStringCriteria
 from transformers.utils import logging
 
+from ..cpu.grouped_attention import grouped_sdpa
 from ..cpu.weight_layouts import adaptive_weights
 from ..models.modeling_mlp_speculator import MLPSpeculatorPreTrainedModel
 from .cache_policy import cache_for_assisted_decoding
@@ -137,8 +138,9 @@ class MLPSpeculatorGenerationMixin:
                 generate_speculatively, speculator=speculator, streamer=kwargs.pop("streamer", None),
                 stop_string_criterion=stop_strings, lookup_tokens=merged.prompt_lookup_num_tokens, **tree,
             )  # fmt: skip
-        # On CPU, each forward on the kind of weights that measured fastest (see `weight_layouts`).
-        with adaptive_weights(self):
+        # On CPU, each forward on the kind of weights that measured fastest (see `weight_layouts`), and grouped heads
+        # read in place under the mask that every batch and every step verifying drafts has (see `grouped_attention`).
+        with adaptive_weights(self), grouped_sdpa(self):
             output = STOCK["generate"](self, *args, **kwargs)
         metrics = speculator.speculation_metrics
         if metrics is not None:

@@ -25,7 +25,8 @@ import transformers
 from torch import nn
 from transformers.utils import logging
 
-from ..cpu.weight_layouts import fast_cpu_decoding, fixed_layout, kinds_that_fit, packed_matches_plain
+from ..cpu.fast_decoding import fast_cpu_decoding
+from ..cpu.weight_layouts import fixed_layout, kinds_that_fit, packed_matches_plain
 from ..drafting.drafts import base_ids, scored_step
 from ..generation.transformers_hooks import cache_kwargs, output_cache
 from ..utils.batching import left_padded

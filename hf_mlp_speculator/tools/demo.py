@@ -10,7 +10,7 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from ..cpu.weight_layouts import fast_cpu_decoding
+from ..cpu.fast_decoding import fast_cpu_decoding
 from ..utils.package_data import evaluation_prompts
 from .runs import (
     WARMUP_TOKENS,

@@ -32,8 +32,8 @@ UNTRAINED = "untrained"
 
 def machine_description() -> str:
     """
-    The machine a measurement ran on, in one line: the CPU's model, its cores, the matrix instructions that decide
-    which kind of weights is faster here (AVX-512, its BF16 extension, AMX), and the GPU if there is one.
+    The machine a measurement ran on, in one line: the CPU's model, its cores, the instructions that decide which kind
+    of weights is faster here (`cpu_features`), and the GPU if there is one.
     """
     model, flags = platform.processor() or platform.machine(), set()
     try:
@@ -45,14 +45,23 @@ def machine_description() -> str:
                 flags = set(value.split())
     except OSError:  # not Linux: the model name alone
         pass
-    features = [name for name, flag in (("AVX-512", "avx512f"), ("AVX-512 BF16", "avx512_bf16"),
-                                        ("AMX", "amx_tile")) if flag in flags]  # fmt: skip
-    if flags and "amx_tile" not in flags:
-        features.append("no AMX")
+    features = cpu_features(flags)
     line = f"CPU: {model}, {os.cpu_count()} cores" + (f", {', '.join(features)}" if features else "")
     if torch.cuda.is_available():
         line += f"; GPU: {torch.cuda.get_device_name()}"
     return line + f"; torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def cpu_features(flags: set[str]) -> list[str]:
+    """
+    What of `/proc/cpuinfo`'s `flags` decides which kind of weights is faster: the vector width (AVX-512, else AVX2),
+    AVX-512's BF16 extension, and AMX. Machines here have had each (an AMD EPYC with AVX2 alone, Xeons with AVX-512).
+    """
+    if not flags:
+        return []
+    features = ["AVX-512"] if "avx512f" in flags else ["AVX2", "no AVX-512"] if "avx2" in flags else []
+    features += [name for name, flag in (("AVX-512 BF16", "avx512_bf16"), ("AMX", "amx_tile")) if flag in flags]
+    return features if "amx_tile" in flags else features + ["no AMX"]
 
 
 def positive_int(text: str) -> int:

@@ -21,7 +21,7 @@ from transformers.utils import logging
 from ..utils.package_data import cache_dir, evaluation_prompts
 from ..utils.progress import Progress
 from .documents import Corpus
-from .grouped_attention import grouped_sdpa
+from ..cpu.grouped_attention import grouped_sdpa
 from .prompts import keep_new, normalized, render_chat_prompt, synthesize_user_turns
 from .targets import TargetCache, Targets, continue_prompts, end_of_sequence_ids, fingerprint, teacher_force
 

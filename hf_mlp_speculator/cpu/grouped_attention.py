@@ -1,13 +1,14 @@
-"""SDPA attention that reads grouped key/value heads in place, for the base model's target computation on CPU.
+"""SDPA attention that reads grouped key/value heads in place on CPU: for decoding, and for the trainer's targets.
 
 Under an attention mask, transformers' `sdpa` attention copies each key and value head `num_key_value_groups` times
 (`repeat_kv`) before every call, because CUDA's SDPA kernels take grouped heads only without a mask (5.25 spares
-one-token steps the copies, not longer ones). Since torch 2.9 the CPU flash kernel takes both (`enable_gqa`; torch
-2.7 and 2.8 send grouped heads under a mask to the slower math kernel, which copies them itself), and the copies are
-most of a decoding step: the base continues its prompts 128 rows at a time, left-padded, so every step has a mask
-and copies the whole cache three times for SmolLM2-135M (9 query heads, 3 key/value heads). Continuing 128 training
-prompts by 160 tokens on a 2-core Xeon ran at 150 positions/s with the copies and 239 without, with the same tokens
-(transformers 5.17, 2026-12-07).
+one-token steps the copies, not longer ones). Since torch 2.9 the CPU flash kernel takes both (`enable_gqa`), with
+the same results to the bit; torch 2.7 and 2.8 send grouped heads under a mask to the slower math kernel, which copies
+them itself. The copies grow with the cache, whatever the new tokens: a padded batch copies the whole cache three
+times per layer for SmolLM2-135M (9 query heads, 3 key/value heads) at every decoding step, 12% of a batch-8 step of
+plain decoding on a 2-core AMD EPYC (AVX2, transformers 5.17, 2026-12-07), and every step of the speculative loop that
+verifies more than one token. The trainer continues its prompts 128 rows at a time, left-padded: 150 positions/s with
+the copies and 239 without on a 2-core Xeon, with the same tokens.
 """
 
 import contextlib
@@ -45,19 +46,27 @@ def grouped_sdpa_attention_forward(
     return output.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
+def _reading_in_place(sdpa):
+    """The one entry that stands for `sdpa` in every call: a compiled forward traced with it is not traced again."""
+    return functools.partial(grouped_sdpa_attention_forward, sdpa=sdpa)
+
+
 @contextlib.contextmanager
 def grouped_sdpa(model: nn.Module):
     """
     Inside, `sdpa` attention on CPU reads grouped key/value heads in place under a mask, for `model` and any other
-    model of the process (the same results up to rounding); for a model elsewhere, or before torch 2.9, nothing
-    changes. The entry is swapped in transformers' attention registry rather than `model` switched to a new name,
-    because some models test for the name "sdpa" itself (sparse-attention ones apply their index mask only under it).
+    model of the process (the same results); for a model elsewhere, before torch 2.9, or inside another `grouped_sdpa`,
+    nothing changes. The entry is swapped in transformers' attention registry rather than `model` switched to a new
+    name, because some models test for the name "sdpa" itself (sparse-attention ones apply their index mask only under
+    it).
     """
-    if model.device.type != "cpu" or not CPU_FLASH_TAKES_GROUPED_HEADS:
+    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    nested = getattr(previous, "func", None) is grouped_sdpa_attention_forward
+    if model.device.type != "cpu" or not CPU_FLASH_TAKES_GROUPED_HEADS or nested:
         yield model
         return
-    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = functools.partial(grouped_sdpa_attention_forward, sdpa=previous)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = _reading_in_place(previous)
     try:
         yield model
     finally:
