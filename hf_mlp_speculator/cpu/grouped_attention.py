@@ -4,11 +4,11 @@ Under an attention mask, transformers' `sdpa` attention copies each key and valu
 (`repeat_kv`) before every call, because CUDA's SDPA kernels take grouped heads only without a mask (5.25 spares
 one-token steps the copies, not longer ones). Since torch 2.9 the CPU flash kernel takes both (`enable_gqa`), with
 the same results to the bit; torch 2.7 and 2.8 send grouped heads under a mask to the slower math kernel, which copies
-them itself. The copies grow with the cache, whatever the new tokens: a padded batch copies the whole cache three
-times per layer for SmolLM2-135M (9 query heads, 3 key/value heads) at every decoding step, 12% of a batch-8 step of
-plain decoding on a 2-core AMD EPYC (AVX2, transformers 5.17, 2026-12-07), and every step of the speculative loop that
-verifies more than one token. The trainer continues its prompts 128 rows at a time, left-padded: 150 positions/s with
-the copies and 239 without on a 2-core Xeon, with the same tokens.
+them itself. The copies grow with the cache, whatever the new tokens: at every step of a padded batch, plain or
+speculative, and of a tree, the whole cache is copied three times per layer for SmolLM2-135M (9 query heads, 3
+key/value heads), 12% of a batch-8 step of plain decoding on a 2-core AMD EPYC (AVX2, transformers 5.17, 2026-12-07).
+The trainer continues its prompts 128 rows at a time, left-padded: 150 positions/s with the copies and 239 without on
+a 2-core Xeon, with the same tokens.
 """
 
 import contextlib

@@ -139,7 +139,7 @@ class MLPSpeculatorGenerationMixin:
                 stop_string_criterion=stop_strings, lookup_tokens=merged.prompt_lookup_num_tokens, **tree,
             )  # fmt: skip
         # On CPU, each forward on the kind of weights that measured fastest (see `weight_layouts`), and grouped heads
-        # read in place under the mask that every batch and every step verifying drafts has (see `grouped_attention`).
+        # read in place, not copied, under a padded batch's or a tree's attention mask (see `grouped_attention`).
         with adaptive_weights(self), grouped_sdpa(self):
             output = STOCK["generate"](self, *args, **kwargs)
         metrics = speculator.speculation_metrics
