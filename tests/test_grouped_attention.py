@@ -4,7 +4,7 @@ with `sdpa`'s results."""
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as sdpa_attention
-from conftest import VOCAB, make_oracle, make_speculator, make_verifier
+from conftest import VOCAB, make_oracle, make_verifier
 from test_batched_decoding import ragged_batch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -112,7 +112,6 @@ def test_speculative_and_fast_plain_decoding_of_a_padded_batch_read_grouped_head
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
     expected = verifier.generate(input_ids, **kwargs)
     assert repeat_kv_calls  # plain generate() copies them
-    repeat_kv_calls.clear()
 
     speculator = make_oracle(verifier, input_ids, 20, attention_mask=mask, wrong=lambda r, p, h: (r + p + h) % 4 == 0)
     repeat_kv_calls.clear()
