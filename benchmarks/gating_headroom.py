@@ -7,15 +7,17 @@ The controller plans each step's depth before drafting, from each head's mean ac
 that is mostly depth 0. A step could instead always run head 0 (a probe), and verify its drafts only when the rows'
 calibrated confidences say they pay. This measures the ceiling of that idea, with no timing at all: on the validation
 prompts (held out from training; never the evaluation prompts), the base model writes greedy answers, head 0 drafts at
-every position from the base's hidden state, and its confidence is calibrated (10 bins) on half of the prompts. Steps
-of `--batch-size` positions drawn at random from the other half then verify one draft per row always, or when the
-rows' mean calibrated acceptance beats the verify cost; each figure is tokens per unit of cost over plain decoding
-(1.0), where verifying one draft per row costs `--verify-costs` plain steps and the probe `--probe-cost`. Rows are
-independent draws here, so a real batch, which waits for its slowest row, gains less.
+every position from the base's hidden state, and its confidence is calibrated (10 bins) on each half of the prompts for
+the other: an offline calibration on thousands of drafts, finer than the controller's running one
+(`AcceptanceEstimate`: 5 bins, about its last 50 steps), so that the figure is a ceiling. Steps of `--batch-size`
+positions drawn at random from all of them, each with the other half's calibration, then verify one draft per row
+always, or when the rows' mean calibrated acceptance beats the verify cost; each figure is tokens per unit of cost over
+plain decoding (1.0), where verifying one draft per row costs `--verify-costs` plain steps and head 0 `--probe-cost`
+(both ways draft it every step). Rows are independent draws here, so a real batch, which waits for its slowest row,
+gains less.
 """
 
 import argparse
-import random
 
 import numpy as np
 import torch
@@ -70,15 +72,18 @@ def main() -> None:
     model, tokenizer, speculator = load_pair(None, args.speculator)
     prompts = read_prompts(VALIDATION_PROMPTS)
     outcomes = head_zero_outcomes(model, tokenizer, speculator.speculator, prompts, args.max_new_tokens)
-    order = list(range(len(outcomes)))
-    random.Random(0).shuffle(order)
-    expected, right = calibrated([outcomes[i] for i in order[::2]], [outcomes[i] for i in order[1::2]])
-    print(f"{len(prompts)} validation prompts; head 0 right at {right.mean():.3f} of held-out positions "
-          f"(calibrated {expected.mean():.3f}); batch {args.batch_size}, {args.steps} steps per figure")  # fmt: skip
-    rows = np.random.default_rng(0).integers(len(right), size=(args.steps, args.batch_size))
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(outcomes))
+    halves = [outcomes[i] for i in order[::2]], [outcomes[i] for i in order[1::2]]
+    expected, right = map(np.concatenate, zip(calibrated(*halves), calibrated(*halves[::-1])))
+    halves_right = " and ".join(f"{np.mean([r for prompt in half for _, r in prompt]):.3f}" for half in halves)
+    print(f"{len(prompts)} validation prompts; head 0 right at {right.mean():.3f} of their positions ({halves_right} "
+          f"in the two halves; calibrated {expected.mean():.3f}); batch {args.batch_size}, {args.steps} steps per "
+          "figure")  # fmt: skip
+    rows = rng.integers(len(right), size=(args.steps, args.batch_size))
     gains, chances = right[rows].mean(1), expected[rows].mean(1)
     for cost in map(float, args.verify_costs.split(",")):
-        always = (1 + gains).sum() / (cost * args.steps)
+        always = (1 + gains).sum() / ((cost + args.probe_cost) * args.steps)
         verify = chances > cost - 1
         gated = (1 + gains * verify).sum() / (1 + (cost - 1) * verify + args.probe_cost).sum()
         print(f"verify cost {cost:.2f}: always {always:.3f}x, gated with the probe {gated:.3f}x "
