@@ -7,7 +7,9 @@ the weights, the first timings of each depth and kind of weights); with `--first
 warmed up, and the speculative calls are timed from the process's first. Prints both speedups (the plain calls' seconds
 over the speculative calls', and the median of the same ratio call by call): against plain `generate()`, and against
 it on the faster weights, which is what the drafts bring; whether every output was identical, the depths the
-controller chose, and the CPU it ran on.
+controller chose, the CPU it ran on, and where the time went: the median one-token forward of the whole batch in plain
+decoding on the faster weights and in the speculative calls' k = 0 steps, and each call's seconds outside the
+verifier's forwards.
 
     python benchmarks/cost_aware_ratio.py --batch-sizes 1,8,16,32 --num-prompts 32 --max-new-tokens 64 --repeats 2
     python benchmarks/cost_aware_ratio.py --batch-sizes 32 --num-prompts 32 --min-calls 16   # 16 calls of each kind
@@ -62,12 +64,36 @@ def speculative_kwargs(args, speculator) -> dict:
     return speculative
 
 
+@contextlib.contextmanager
+def forward_seconds(model, kept: list):
+    """Inside, each forward of `model` appends `(rows, new tokens, seconds)` to `kept`."""
+    started = []
+
+    def before(module, args, kwargs):
+        started.append(time.perf_counter())
+
+    def after(module, args, kwargs, output):
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        rows, tokens = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[:2]
+        kept.append((int(rows), int(tokens), time.perf_counter() - started.pop()))
+
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+    try:
+        yield kept
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def time_calls(model, speculator, batches, args, pad):
     """
     Each batch through the three kinds of call, after a warm-up on the first: ({kind: seconds per call}, whether every
-    output was identical, the speculative calls' summed metrics).
+    output was identical, the speculative calls' summed metrics, {kind: its calls' verifier forwards as
+    `(rows, new tokens, seconds)`}).
     """
     calls, same, metrics = {"plain": [], "faster weights": [], "speculative": []}, True, None
+    forwards = {name: [] for name in calls}
     runs = [("plain", {}), ("faster weights", {}), ("speculative", speculative_kwargs(args, speculator))]
     passes = max(args.repeats, -(-args.min_calls // len(batches)))
     for index, (input_ids, mask) in enumerate([batches[0]] + batches * passes):
@@ -85,7 +111,8 @@ def time_calls(model, speculator, batches, args, pad):
             torch.manual_seed(index)
             start = time.perf_counter()
             with torch.no_grad(), fast_cpu_decoding(model) if faster else contextlib.nullcontext():
-                outputs[name] = model.generate(input_ids, **kwargs, **extra)
+                with forward_seconds(model, forwards[name] if not warmup else []):
+                    outputs[name] = model.generate(input_ids, **kwargs, **extra)
             if not warmup:
                 calls[name].append(time.perf_counter() - start)
         if not warmup:
@@ -93,10 +120,25 @@ def time_calls(model, speculator, batches, args, pad):
             same &= torch.equal(outputs["plain"], outputs["faster weights"])
             call = speculator.speculation_metrics
             metrics = call if metrics is None else metrics + call
-    return calls, same, metrics
+    return calls, same, metrics, forwards
 
 
-def report(size: int, calls: dict, same: bool, metrics, sampled: bool) -> None:
+def step_breakdown(size: int, calls: dict, forwards: dict) -> str:
+    """
+    Where the time of plain decoding on the faster weights and of speculative decoding went: the median forward of one
+    token per row with the whole batch (a plain step; the speculative calls' k = 0 steps), and the seconds per call
+    outside the verifier's forwards (the loop's host work, and the speculative calls' draft heads).
+    """
+    parts = []
+    for name in ("faster weights", "speculative"):
+        plain_steps = [s for rows, tokens, s in forwards[name] if rows == size and tokens == 1]
+        outside = (sum(calls[name]) - sum(s for *_, s in forwards[name])) / len(calls[name])
+        step = f"{statistics.median(plain_steps) * 1000:.1f} ms" if plain_steps else "none"
+        parts.append(f"{name}: one-token forward of {size} rows {step}, outside the forwards {outside:.2f} s a call")
+    return "; ".join(parts)
+
+
+def report(size: int, calls: dict, same: bool, metrics, forwards: dict, sampled: bool) -> None:
     seconds = {name: sum(times) for name, times in calls.items()}
     # Per call, the ratio of neighbouring calls on the same prompts: a slow spell of a shared machine that hits one
     # call moves the median less than the sums.
@@ -114,7 +156,8 @@ def report(size: int, calls: dict, same: bool, metrics, sampled: bool) -> None:
         f"identical: {'n/a (sampled)' if sampled else 'yes' if same else 'NO'}, "
         f"tokens/step {metrics.mean_tokens_per_step:.2f}, "
         f"steps by k {metrics.steps_by_depth}, verify ms by k "
-        f"{ {k: round(s * 1000, 1) for k, s in metrics.mean_verify_seconds.items()} }",
+        f"{ {k: round(s * 1000, 1) for k, s in metrics.mean_verify_seconds.items()} }; "
+        f"{step_breakdown(size, calls, forwards)}",
         flush=True,
     )
 
