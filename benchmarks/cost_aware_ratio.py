@@ -27,7 +27,13 @@ import torch
 
 from hf_mlp_speculator import fast_cpu_decoding
 from hf_mlp_speculator.tools.default_models import evaluation_prompts
-from hf_mlp_speculator.tools.runs import WARMUP_TOKENS, encode_prompts, load_pair, machine_description
+from hf_mlp_speculator.tools.runs import (
+    WARMUP_TOKENS,
+    ForwardClock,
+    encode_prompts,
+    load_pair,
+    machine_description,
+)
 from hf_mlp_speculator.training.documents import left_padded
 
 
@@ -64,33 +70,11 @@ def speculative_kwargs(args, speculator) -> dict:
     return speculative
 
 
-@contextlib.contextmanager
-def forward_seconds(model, kept: list):
-    """Inside, each forward of `model` appends `(rows, new tokens, seconds)` to `kept`."""
-    started = []
-
-    def before(module, args, kwargs):
-        started.append(time.perf_counter())
-
-    def after(module, args, kwargs, output):
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        rows, tokens = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[:2]
-        kept.append((int(rows), int(tokens), time.perf_counter() - started.pop()))
-
-    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
-             model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
-    try:
-        yield kept
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
 def time_calls(model, speculator, batches, args, pad):
     """
     Each batch through the three kinds of call, after a warm-up on the first: ({kind: seconds per call}, whether every
-    output was identical, the speculative calls' summed metrics, {kind: its calls' verifier forwards as
-    `(rows, new tokens, seconds)`}).
+    output was identical, the speculative calls' summed metrics, {kind: its calls' verifier forwards
+    (`runs.Forward`)}).
     """
     calls, same, metrics = {"plain": [], "faster weights": [], "speculative": []}, True, None
     forwards = {name: [] for name in calls}
@@ -111,10 +95,11 @@ def time_calls(model, speculator, batches, args, pad):
             torch.manual_seed(index)
             start = time.perf_counter()
             with torch.no_grad(), fast_cpu_decoding(model) if faster else contextlib.nullcontext():
-                with forward_seconds(model, forwards[name] if not warmup else []):
+                with ForwardClock(model) as clock:
                     outputs[name] = model.generate(input_ids, **kwargs, **extra)
             if not warmup:
                 calls[name].append(time.perf_counter() - start)
+                forwards[name] += clock.forwards
         if not warmup:
             same &= torch.equal(outputs["plain"], outputs["speculative"])
             same &= torch.equal(outputs["plain"], outputs["faster weights"])
@@ -131,8 +116,8 @@ def step_breakdown(size: int, calls: dict, forwards: dict) -> str:
     """
     parts = []
     for name in ("faster weights", "speculative"):
-        plain_steps = [s for rows, tokens, s in forwards[name] if rows == size and tokens == 1]
-        outside = (sum(calls[name]) - sum(s for *_, s in forwards[name])) / len(calls[name])
+        plain_steps = [f.end - f.start for f in forwards[name] if f.rows == size and f.tokens == 1]
+        outside = (sum(calls[name]) - sum(f.end - f.start for f in forwards[name])) / len(calls[name])
         step = f"{statistics.median(plain_steps) * 1000:.1f} ms" if plain_steps else "none"
         parts.append(f"{name}: one-token forward of {size} rows {step}, outside the forwards {outside:.2f} s a call")
     return "; ".join(parts)

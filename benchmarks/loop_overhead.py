@@ -45,6 +45,7 @@ from hf_mlp_speculator.drafting.drafts import scored_step  # noqa: E402
 from hf_mlp_speculator.generation import mixin as generation
 from hf_mlp_speculator.generation.speculative_decoding import SpeculativeBatch  # noqa: E402
 from hf_mlp_speculator.generation.transformers_hooks import cache_kwargs, output_cache  # noqa: E402
+from hf_mlp_speculator.tools.runs import ForwardClock  # noqa: E402
 
 VOCAB, PROMPT, NEW_TOKENS, HEADS = 512, 32, 48, 4
 PHASES = {"draft": "draft", "verify": "verify", "accept": ("accept_chain", "accept_tree", "emit"),
@@ -82,27 +83,6 @@ def forwards_of(speculator, depth):
     return sum(speculator.speculation_metrics.steps_by_depth)
 
 
-class ForwardClock:
-    """The (start, end) times of `model`'s forwards while entered."""
-
-    def __init__(self, model):
-        self.model, self.forwards = model, []
-
-    def __enter__(self):
-        def start(*args):
-            self.forwards.append([time.perf_counter(), None])
-
-        def stop(*args):
-            self.forwards[-1][1] = time.perf_counter()
-
-        self.hooks = [self.model.register_forward_pre_hook(start), self.model.register_forward_hook(stop)]
-        return self
-
-    def __exit__(self, *args):
-        for hook in self.hooks:
-            hook.remove()
-
-
 def per_step(verifier, speculator, prompts, depth, loop, mask=None, new_tokens=NEW_TOKENS):
     """
     (seconds per decode step, of which outside the verifier's forward) of one call, from the end of its prefill
@@ -112,8 +92,8 @@ def per_step(verifier, speculator, prompts, depth, loop, mask=None, new_tokens=N
     with ForwardClock(verifier) as clock:
         generate_call(verifier, speculator, prompts, depth, loop, 1 + new_tokens, mask)
         end = time.perf_counter()
-    decode, steps = end - clock.forwards[0][1], clock.forwards[1:]
-    inside = sum(stop - start for start, stop in steps)
+    decode, steps = end - clock.forwards[0].end, clock.forwards[1:]
+    inside = sum(step.end - step.start for step in steps)
     return decode / len(steps), (decode - inside) / len(steps)
 
 

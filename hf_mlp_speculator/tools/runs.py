@@ -10,6 +10,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -150,6 +151,41 @@ def token_latencies(start: float, chunk_times: list[float], chunk_sizes: list[in
         latencies += [(when - previous) / size] * size
         previous = when
     return latencies
+
+
+class Forward(NamedTuple):
+    """One forward of a model: when it started and ended (`time.perf_counter()`), and its input's rows and tokens."""
+
+    start: float
+    end: float
+    rows: int
+    tokens: int
+
+
+class ForwardClock:
+    """While entered, `forwards` lists `model`'s forwards (`Forward`), in order: what the benchmarks split calls by."""
+
+    def __init__(self, model):
+        self.model, self.forwards, self.hooks = model, [], []
+
+    def __enter__(self):
+        started = []
+
+        def start(module, args, kwargs):
+            started.append(time.perf_counter())
+
+        def stop(module, args, kwargs, output):
+            inputs = kwargs.get("input_ids", args[0] if args else None)
+            rows, tokens = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[:2]
+            self.forwards.append(Forward(started.pop(), time.perf_counter(), int(rows), int(tokens)))
+
+        self.hooks = [self.model.register_forward_pre_hook(start, with_kwargs=True),
+                      self.model.register_forward_hook(stop, with_kwargs=True)]  # fmt: skip
+        return self
+
+    def __exit__(self, *args):
+        for hook in self.hooks:
+            hook.remove()
 
 
 class TokenCounter(BaseStreamer):
