@@ -43,13 +43,16 @@ from test_loop_overhead import OperationCount  # noqa: E402
 from hf_mlp_speculator import FixedDepth, MLPSpeculatorConfig, MLPSpeculatorPreTrainedModel, speculation_state  # noqa: E402
 from hf_mlp_speculator.drafting.drafts import scored_step  # noqa: E402
 from hf_mlp_speculator.generation import mixin as generation
+from hf_mlp_speculator.generation.cache_slots import CacheSlots  # noqa: E402
 from hf_mlp_speculator.generation.speculative_decoding import SpeculativeBatch  # noqa: E402
 from hf_mlp_speculator.generation.transformers_hooks import cache_kwargs, output_cache  # noqa: E402
 from hf_mlp_speculator.tools.runs import ForwardClock  # noqa: E402
 
 VOCAB, PROMPT, NEW_TOKENS, HEADS = 512, 32, 48, 4
-PHASES = {"draft": "draft", "verify": "verify", "accept": ("accept_chain", "accept_tree", "emit"),
-          "cache": "compact", "next_step": "next_step"}  # fmt: skip
+# Each phase of a step: the methods it runs, on the loop (`SpeculativeBatch`) or on its cache slots (`CacheSlots`).
+PHASES = {"draft": [(SpeculativeBatch, "draft")], "verify": [(SpeculativeBatch, "verify")],
+          "accept": [(SpeculativeBatch, name) for name in ("accept_chain", "accept_tree", "emit")],
+          "cache": [(CacheSlots, "keep")], "next_step": [(SpeculativeBatch, "next_step")]}  # fmt: skip
 
 
 def proxy_pair(layers: int = 32):
@@ -139,12 +142,9 @@ def bare_costs(verifier, speculator, rows: int, repeats: int = 10) -> dict:
 
 
 def phase_times(verifier, speculator, prompts, depth, repeats) -> dict:
-    """Milliseconds per step of each phase of the package's loop (`SpeculativeBatch`'s methods), medians over runs."""
+    """Milliseconds per step of each phase of the package's loop (`PHASES`), medians over runs."""
     spent = {name: [] for name in PHASES}
-    originals = {}
-    for name, methods in PHASES.items():
-        for method in [methods] if isinstance(methods, str) else methods:
-            originals[method] = getattr(SpeculativeBatch, method)
+    originals = {(owner, method): getattr(owner, method) for methods in PHASES.values() for owner, method in methods}
 
     def timed(phase, method):
         def wrapper(*args, **kwargs):
@@ -158,8 +158,8 @@ def phase_times(verifier, speculator, prompts, depth, repeats) -> dict:
 
     try:
         for name, methods in PHASES.items():
-            for method in [methods] if isinstance(methods, str) else methods:
-                setattr(SpeculativeBatch, method, timed(name, originals[method]))
+            for owner, method in methods:
+                setattr(owner, method, timed(name, originals[owner, method]))
         for _ in range(repeats):
             totals = dict.fromkeys(PHASES, 0.0)
             start = time.perf_counter()
@@ -170,9 +170,9 @@ def phase_times(verifier, speculator, prompts, depth, repeats) -> dict:
                 spent[name].append(totals[name] / forwards * 1000)
             spent.setdefault("whole call", []).append(total / forwards * 1000)
     finally:
-        for method, original in originals.items():
-            setattr(SpeculativeBatch, method, original)
-    # `step` wraps draft, verify, accept and compact: what is left of a call is prefill and the loop's glue.
+        for (owner, method), original in originals.items():
+            setattr(owner, method, original)
+    # `step` wraps draft, verify, accept and the cache slots' keep: what is left of a call is prefill and the loop's glue.
     return {name: statistics.median(values) for name, values in spent.items()}
 
 
